@@ -1,0 +1,329 @@
+"""Typed run configuration: one YAML file describes a whole run (target, data, store, extract, drafter, train).
+
+Contract:
+- `load_config(path, overrides)` returns a `Config`; every section is a frozen-ish dataclass whose fields
+  have types. Unknown keys, wrong types and bad values raise `ConfigError` naming the key and the file.
+- Overrides are `section.field=value` strings (`--set train.lr=3e-4`); the value is parsed as YAML and
+  validated exactly like the file.
+- Relative paths (data files, store, run dir) are relative to the current directory, where the user runs
+  the command; a target path that exists relative to the config file's directory is resolved there.
+- Paths starting with `builtin:` refer to assets shipped inside the package (`data/assets/...`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key, the file and the fix."""
+
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "data" / "assets"
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class TargetConfig:
+    path: str = "builtin:tiny-target"  # local directory or hub id of the frozen target
+    name: str = ""  # display name recorded in the store's provenance (defaults to path)
+    dtype: str = "bfloat16"  # dtype of the target's forward on GPU
+    cpu_dtype: str = "float32"  # dtype on CPU (bf16 matmuls are slow on most CPUs)
+    attn_implementation: str = "sdpa"
+    layer_ids: Optional[list[int]] = None  # None: build_target_layer_ids(num_layers, num_feature_layers)
+    num_feature_layers: int = 5
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # JSONL files or `datasets` dirs saved to disk
+    validation_files: list[str] = field(default_factory=list)  # optional; else split by validation_fraction
+    validation_fraction: float = 0.02
+    max_length: int = 3072
+    enable_thinking: bool = False  # the chat template's thinking switch; must match serving
+    on_bad_row: str = "error"  # error: stop with file/line/reason; skip: drop and report
+    max_samples: Optional[int] = None  # cap (after the deterministic order), for quick runs
+
+
+@dataclass
+class StoreConfig:
+    path: str = "runs/store.zarr"  # local path or fsspec URL
+    encoding: str = "bf16"  # bf16 (lossless) | fp8 (e4m3, scale per token and layer)
+    chunk_tokens: int = 256  # rows (tokens) per Zarr chunk of the feature array
+    clevel: int = 3  # zstd level inside blosc
+
+
+@dataclass
+class ExtractConfig:
+    shards: int = 1
+    token_budget: int = 16384  # padded tokens per target forward
+    max_batch_size: int = 64
+    queue_depth: int = 3  # batches in flight between forward and writer (bounds host memory)
+    writer_threads: int = 4  # threads compressing and writing chunks
+
+
+@dataclass
+class DrafterConfig:
+    num_hidden_layers: int = 5
+    hidden_size: int = 5120  # must equal the target's hidden size (shared embedding and lm_head)
+    intermediate_size: int = 17408
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 262144
+    layer_types: Optional[list[str]] = None  # per layer: full_attention | sliding_attention
+    sliding_window: Optional[int] = None
+    block_size: int = 16
+    mask_token_id: int = 248070
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/train"
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_ratio: float = 0.04
+    epochs: int = 6
+    max_steps: int = -1  # -1: run all epochs
+    grad_clip: float = 1.0
+    num_anchors: int = 512
+    gamma: float = 7.0
+    batch_size: int = 1  # sequences per micro-batch per rank
+    accumulate_grad_batches: int = 1
+    loss_chunk_rows: int = 4096  # rows of logits materialised at once
+    precision: str = "bf16-mixed"  # on GPU; CPU always runs fp32
+    compile: str = "auto"  # auto (on CUDA) | on | off
+    num_workers: int = 2
+    checkpoint_every: int = 500
+    val_every: int = 500
+    log_every: int = 10
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    max_new_tokens: int = 64
+    num_prompts: int = 32
+    max_anchors_per_sample: int = 256
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    source: str = "<defaults>"  # the file it came from (not a YAML key)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+_CHOICES = {
+    ("store", "encoding"): ("bf16", "fp8"),
+    ("data", "on_bad_row"): ("error", "skip"),
+    ("train", "compile"): ("auto", "on", "off"),
+    ("train", "precision"): ("bf16-mixed", "32-true", "bf16-true"),
+    ("target", "dtype"): ("bfloat16", "float16", "float32"),
+    ("target", "cpu_dtype"): ("bfloat16", "float32"),
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Validate `value` against a dataclass field type; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(value, inner[0], where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - a programming error
+
+
+def _build_section(cls: type, raw: Any, section: str, source: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: section '{section}' must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key '{section}.{unknown[0]}' (valid keys of '{section}': {', '.join(sorted(names))})"
+        )
+    kwargs = {k: _check_type(v, hints[k], f"{source}: {section}.{k}") for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "source"}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in _SECTIONS}
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    classes = _section_classes()
+    unknown = sorted(set(raw) - set(classes))
+    if unknown:
+        raise ConfigError(f"{source}: unknown section '{unknown[0]}' (valid: {', '.join(classes)})")
+    cfg = Config(**{name: _build_section(cls, raw.get(name), name, source) for name, cls in classes.items()})
+    cfg.source = source
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    src = cfg.source
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{src}: {section}.{key} = {value!r} is not one of {', '.join(choices)}")
+    d = cfg.drafter
+    if d.layer_types is not None:
+        if len(d.layer_types) != d.num_hidden_layers:
+            raise ConfigError(
+                f"{src}: drafter.layer_types has {len(d.layer_types)} entries but drafter.num_hidden_layers is "
+                f"{d.num_hidden_layers}; give one type per layer"
+            )
+        for t in d.layer_types:
+            if t not in _LAYER_TYPES:
+                raise ConfigError(f"{src}: drafter.layer_types entry {t!r} is not one of {', '.join(_LAYER_TYPES)}")
+        if "sliding_attention" in d.layer_types and not d.sliding_window:
+            raise ConfigError(f"{src}: drafter.layer_types uses sliding_attention; set drafter.sliding_window")
+    if d.num_attention_heads % d.num_key_value_heads:
+        raise ConfigError(f"{src}: drafter.num_attention_heads must be a multiple of drafter.num_key_value_heads")
+    if d.block_size < 2:
+        raise ConfigError(f"{src}: drafter.block_size must be at least 2")
+    positive = [
+        ("data", "max_length"), ("store", "chunk_tokens"), ("extract", "shards"), ("extract", "token_budget"),
+        ("extract", "max_batch_size"), ("train", "epochs"), ("train", "num_anchors"), ("train", "batch_size"),
+        ("train", "loss_chunk_rows"), ("train", "checkpoint_every"), ("train", "val_every"),
+    ]
+    for section, key in positive:
+        if getattr(getattr(cfg, section), key) <= 0:
+            raise ConfigError(f"{src}: {section}.{key} must be positive")
+    if not 0.0 <= cfg.data.validation_fraction < 1.0:
+        raise ConfigError(f"{src}: data.validation_fraction must be in [0, 1)")
+    if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:
+        raise ConfigError(f"{src}: target.layer_ids must be strictly increasing, got {cfg.target.layer_ids}")
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train.lr=3e-4")
+    key, value = text.split("=", 1)
+    section, name = key.strip().split(".", 1)
+    try:
+        parsed = yaml.safe_load(value) if value.strip() != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML: {e}") from None
+    return section, name, parsed
+
+
+def resolve_path(value: str, base: Path) -> str:
+    """Resolve a config path: `builtin:NAME` -> shipped asset; relative -> against `base`; URLs unchanged."""
+    if value.startswith("builtin:"):
+        return str(ASSETS_DIR / value[len("builtin:"):])
+    if "://" in value or Path(value).is_absolute():
+        return value
+    candidate = (base / value).resolve()
+    return str(candidate)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML run config (default: the embedded tiny config) and apply `section.key=value` overrides."""
+    path = Path(path) if path is not None else CONFIGS_DIR / "tiny.yaml"
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist; pass --config PATH (see configs/ for examples)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section not in _SECTIONS:
+            raise ConfigError(f"--set {text!r}: unknown section '{section}' (valid: {', '.join(_SECTIONS)})")
+        raw.setdefault(section, {})
+        if raw[section] is None:
+            raw[section] = {}
+        raw[section][name] = value
+    cfg = config_from_dict(raw, source=str(path))
+    base = path.resolve().parent
+    cfg.target.path = _resolve_target(cfg.target.path, base)
+    cwd = Path.cwd()
+    cfg.data.train_files = [resolve_path(p, cwd) for p in cfg.data.train_files]
+    cfg.data.validation_files = [resolve_path(p, cwd) for p in cfg.data.validation_files]
+    if not cfg.target.name:
+        cfg.target.name = cfg.target.path
+    return cfg
+
+
+def _resolve_target(value: str, base: Path) -> str:
+    if value.startswith("builtin:") or value.startswith(".") or Path(value).is_absolute():
+        return resolve_path(value, base)
+    local = base / value
+    return str(local.resolve()) if local.exists() else value  # else: a hub id such as Qwen/Qwen3.6-27B
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def build_target_layer_ids(num_layers: int, n: int) -> list[int]:
+    """The DFlash rule: [L//2] for one layer, else round(1 + i*(L-4)/(n-1)). Id k = output of decoder layer k."""
+    if n <= 0:
+        raise ValueError("need at least one target layer")
+    if n == 1:
+        return [num_layers // 2]
+    return [int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n)]
+
+
+def gamma_for_block(block_size: int) -> float:
+    """The paper's loss-decay constant: 7 for B=16, 5 for B=10, 4 for B=8."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
