@@ -1,0 +1,143 @@
+"""Training data from the store: a map-style dataset, an epoch-aware per-rank batch sampler, and collation.
+
+Contract:
+- `StoreDataset` opens the store lazily, inside whichever process first reads (DataLoader workers open their
+  own: zarr's event loop and fsspec are not fork-safe). Items are `(sample_index, epoch)` so anchors are
+  drawn fresh each epoch yet reproducibly (seeded by seed, epoch and sample id).
+- Features leave the loader still encoded (bf16 bits or fp8 + scales): decoding happens on the GPU.
+- `RankBatchSampler` gives every rank the same number of batches per epoch (the last few batches of a
+  shuffled epoch are dropped so the count divides the world size), groups samples of similar length to
+  limit padding, and can skip the batches of an epoch that a resumed run already trained on.
+- `collate` pads to a multiple of `pad_multiple` (128 on GPU, fixed shapes keep compiled graphs few).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from pipeline.masks import sample_anchors
+from pipeline.store import StoreReader
+
+
+class StoreDataset(torch.utils.data.Dataset):
+    def __init__(self, store_path: str, indices: list[int], num_anchors: int, seed: int,
+                 lengths: Optional[list[int]] = None, fixed_anchors: bool = False):
+        self.store_path, self.indices = store_path, list(indices)
+        self.num_anchors, self.seed, self.fixed_anchors = num_anchors, seed, fixed_anchors
+        self.lengths = lengths
+        self._reader: Optional[StoreReader] = None
+
+    @property
+    def reader(self) -> StoreReader:
+        if self._reader is None:
+            self._reader = StoreReader(self.store_path)
+        return self._reader
+
+    def __getstate__(self):  # never pickle an open store into a worker
+        state = dict(self.__dict__)
+        state["_reader"] = None
+        return state
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, key) -> dict:
+        pos, epoch = key if isinstance(key, tuple) else (key, 0)
+        index = self.indices[pos]
+        s = self.reader.read(index)
+        sid = self.reader.samples[index].sample_id
+        g = torch.Generator().manual_seed(hash((self.seed, 0 if self.fixed_anchors else epoch, sid)) & 0x7FFFFFFF)
+        loss_mask = torch.from_numpy(s["loss_mask"].astype(np.bool_))
+        anchors = sample_anchors(loss_mask, self.num_anchors, g)
+        feats = s["features"]
+        item = {
+            "tokens": torch.from_numpy(s["tokens"].astype(np.int64)),  # [S]
+            "loss_mask": loss_mask,  # [S] bool
+            "features": torch.from_numpy(feats.view(np.int16) if feats.dtype == np.uint16 else feats),  # [S, L, H]
+            "anchors": anchors,  # [A] sorted
+        }
+        if "scales" in s:
+            item["scales"] = torch.from_numpy(s["scales"])  # [S, L]
+        return item
+
+
+class RankBatchSampler(torch.utils.data.Sampler):
+    """Shuffled, length-grouped batches of (sample_position, epoch), the same count on every rank."""
+
+    def __init__(self, lengths: list[int], batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, group_factor: int = 32):
+        self.lengths, self.batch_size = list(lengths), batch_size
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
+        self.group_factor = group_factor
+        self.epoch, self.skip, self.skip_epoch = 0, 0, -1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, epoch: int, batches_done: int) -> None:
+        """Skip the first `batches_done` batches of `epoch` (a resumed run already trained on them)."""
+        self.skip_epoch, self.skip = epoch, batches_done
+
+    def _all_batches(self) -> list[list[int]]:
+        n = len(self.lengths)
+        order = list(range(n))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        group = self.batch_size * self.group_factor
+        batches = []
+        for g0 in range(0, n, group):  # sort each window by length: little padding, still random overall
+            window = sorted(order[g0 : g0 + group], key=lambda i: self.lengths[i])
+            batches += [window[i : i + self.batch_size] for i in range(0, len(window), self.batch_size)]
+        if self.shuffle:
+            random.Random(self.seed * 7_919 + self.epoch).shuffle(batches)
+        usable = len(batches) // self.world_size * self.world_size if len(batches) >= self.world_size else len(batches)
+        return batches[:usable]
+
+    def __len__(self) -> int:
+        total = math.ceil(len(self.lengths) / self.batch_size)
+        per_rank = total // self.world_size if total >= self.world_size else 1
+        return max(1, per_rank)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        batches = self._all_batches()
+        if len(batches) < self.world_size:  # tiny data: every rank sees the same batch
+            mine = batches[:1]
+        else:
+            mine = batches[self.rank :: self.world_size]
+        skip = self.skip if self.epoch == self.skip_epoch else 0
+        self.skip, self.skip_epoch = 0, -1
+        for b in mine[skip:]:
+            yield [(i, self.epoch) for i in b]
+
+
+def collate(items: list[dict], pad_multiple: int = 1, num_anchors: Optional[int] = None) -> dict:
+    """Pad a list of samples into a batch; anchors padded with -1."""
+    B = len(items)
+    S = max(len(it["tokens"]) for it in items)
+    S = int(math.ceil(S / pad_multiple) * pad_multiple)
+    A = num_anchors or max(1, max(len(it["anchors"]) for it in items))
+    L, H = items[0]["features"].shape[1:]
+    out = {
+        "tokens": torch.zeros(B, S, dtype=torch.long),
+        "loss_mask": torch.zeros(B, S, dtype=torch.bool),
+        "features": torch.zeros(B, S, L, H, dtype=items[0]["features"].dtype),
+        "anchors": torch.full((B, A), -1, dtype=torch.long),
+        "seq_lens": torch.tensor([len(it["tokens"]) for it in items], dtype=torch.long),
+    }
+    if "scales" in items[0]:
+        out["scales"] = torch.ones(B, S, L, dtype=torch.float32)
+    for b, it in enumerate(items):
+        n = len(it["tokens"])
+        out["tokens"][b, :n] = it["tokens"]
+        out["loss_mask"][b, :n] = it["loss_mask"]
+        out["features"][b, :n] = it["features"]
+        a = it["anchors"][:A]
+        out["anchors"][b, : len(a)] = a
+        if "scales" in it:
+            out["scales"][b, :n] = it["scales"]
+    return out

@@ -1,0 +1,148 @@
+"""The `dflash` command line: parses arguments, loads the config, calls a stage. Nothing else lives here.
+
+Every command takes `--config FILE` (default: the embedded tiny config) and repeatable `--set key=value`
+overrides validated like the file. Errors the user can fix print one clear message and exit 2.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Optional
+
+import click
+
+from pipeline.config import CONFIGS_DIR, ConfigError, load_config
+
+DEFAULT_CONFIG = str(CONFIGS_DIR / "tiny.yaml")
+
+
+def _gpu_list(value: Optional[str]) -> Optional[list[int]]:
+    if value is None or value == "":
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip() != ""]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated GPU indices such as 0,1,2") from None
+
+
+def _command_line() -> str:
+    return shlex.join(["dflash", *sys.argv[1:]])
+
+
+def _run(fn, *args, **kwargs) -> None:
+    """Call a stage; turn the errors a user can fix into one message and exit code 2."""
+    from pipeline.store import StoreError
+
+    user_errors: tuple = (ConfigError, StoreError, FileNotFoundError)
+    try:
+        from data.ingest import IngestError
+
+        user_errors += (IngestError,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from stages.extract import ExtractError
+
+        user_errors += (ExtractError,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from stages.train import TrainError
+
+        user_errors += (TrainError,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        code = fn(*args, **kwargs)
+    except user_errors as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    sys.exit(code or 0)
+
+
+config_option = click.option("--config", "config_path", default=DEFAULT_CONFIG, show_default="configs/tiny.yaml",
+                             type=click.Path(dir_okay=False), help="Run config (YAML).")
+set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                          help="Override a config field, e.g. --set train.lr=3e-4 (repeatable).")
+
+
+def _load(config_path: str, overrides) -> "object":
+    try:
+        return load_config(config_path, list(overrides))
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dflash")
+def main() -> None:
+    """dflash: train DFlash speculative-decoding drafters from a cached hidden-state store.
+
+    Stage one (`extract`) runs the frozen target once and writes the selected layers' hidden states to a
+    compressed Zarr store; stage two (`train`) trains the drafter from that store alone.
+    """
+
+
+@main.command()
+@config_option
+@set_option
+@click.option("--shards", type=int, default=None, help="Number of data-parallel shards (default: extract.shards).")
+@click.option("--gpus", default=None, help="GPUs for the shards, e.g. 0,1,2,3,4 (default: shard i on GPU i).")
+@click.option("--shard-index", type=int, default=None, help="Run only this shard (for a scheduler or another node).")
+@click.option("--store", default=None, help="Store path or fsspec URL (default: store.path).")
+def extract(config_path, overrides, shards, gpus, shard_index, store):
+    """Stage one: run the target over the data and write hidden states to the store.
+
+    One worker process per shard, shard i on GPU i (only that GPU visible), so `--shards 5` uses GPUs 0-4;
+    `--gpus` picks others. With no GPU the workers run on the CPU. Resumable: rerun the same command after
+    a crash or Ctrl-C and every shard continues from its last commit. Running on a finished store does nothing.
+    """
+    from stages.extract import run_extract
+
+    cfg = _load(config_path, overrides)
+    _run(run_extract, cfg, config_path, list(overrides), shards, _gpu_list(gpus), shard_index, store, _command_line())
+
+
+@main.command()
+@config_option
+@set_option
+@click.option("--gpus", default=None, help="GPUs for the DDP ranks, e.g. 5,6,7 (one process per GPU).")
+@click.option("--devices", type=int, default=None, help="Without GPUs: number of CPU processes (gloo DDP).")
+@click.option("--store", default=None, help="Store path or URL (default: store.path).")
+@click.option("--resume", is_flag=True, help="Continue from RUN/checkpoints/last.ckpt (step, optimiser, data position).")
+@click.option("--no-export", is_flag=True, help="Skip exporting the drafter at the end.")
+def train(config_path, overrides, gpus, devices, store, resume, no_export):
+    """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
+
+    `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
+    The target checkpoint is never loaded: rerun with other hyperparameters on the same store for free.
+    """
+    from stages.train import run_train
+
+    cfg = _load(config_path, overrides)
+    gpu_list = _gpu_list(gpus)
+    _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export)
+
+
+@main.command()
+@click.argument("store")
+def inspect(store):
+    """Show a store: samples, tokens, bytes on disk and per token, compression per array, provenance, shards."""
+    from stages.store_tools import inspect_store
+
+    _run(inspect_store, store)
+
+
+@main.command()
+@click.argument("store")
+def verify(store):
+    """Read every chunk of a store and check checksums, offsets, token ids, finite features, completeness."""
+    from stages.store_tools import verify_store
+
+    _run(verify_store, store)
+
+
+if __name__ == "__main__":
+    main()

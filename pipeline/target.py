@@ -1,0 +1,172 @@
+"""The frozen target: loading, fingerprinting, capturing the selected layers' outputs, and its frozen head.
+
+Contract:
+- Layer id k means the output of decoder layer k, i.e. transformers' `hidden_states[k + 1]` (index 0 of
+  `hidden_states` is the embedding output). `capture_features` is tested equal to that on the tiny target.
+- Only the layers up to the deepest selected id run (the rest are dropped after loading); the final norm
+  and lm_head logits are never computed during extraction.
+- `target_fingerprint` identifies a target from its config and weights index without loading weights.
+- `frozen_head_tensors` returns what training needs from the target: the input embedding, the output head
+  (the embedding itself when the target ties them) and the final norm weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pipeline.config import build_target_layer_ids
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def local_target_dir(path: str) -> Path:
+    """A local directory holding the target's config/tokenizer/weights index (downloading metadata if a hub id)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.model", "*.txt"]))
+    except Exception as e:  # noqa: BLE001
+        raise FileNotFoundError(
+            f"target {path!r} is neither a local directory nor a reachable hub id ({type(e).__name__}: {e}); "
+            "set target.path to the checkpoint directory"
+        ) from None
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def target_fingerprint(path: str) -> dict:
+    """Hashes of config.json and of the weights index (or each safetensors header) plus key shapes."""
+    d = local_target_dir(path)
+    cfg_text = (d / "config.json").read_text()
+    cfg = json.loads(cfg_text)
+    cfg_hash = _sha256_bytes(json.dumps(cfg, sort_keys=True).encode())
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        weights_hash = _sha256_bytes(index.read_bytes())
+    else:
+        h = hashlib.sha256()
+        for f in sorted(d.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(fh.read(n))  # the header: names, dtypes, shapes and offsets of every tensor
+            h.update(str(f.stat().st_size).encode())
+        weights_hash = h.hexdigest()
+    text_cfg = cfg.get("text_config", cfg)
+    return {
+        "config_sha256": cfg_hash,
+        "weights_sha256": weights_hash,
+        "model_type": cfg.get("model_type"),
+        "num_hidden_layers": int(text_cfg["num_hidden_layers"]),
+        "hidden_size": int(text_cfg["hidden_size"]),
+        "vocab_size": int(text_cfg["vocab_size"]),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))),
+        "rope_theta": text_cfg.get("rope_theta"),
+    }
+
+
+def resolve_layer_ids(layer_ids: Optional[list[int]], num_layers: int, num_feature_layers: int) -> list[int]:
+    ids = list(layer_ids) if layer_ids is not None else build_target_layer_ids(num_layers, num_feature_layers)
+    bad = [k for k in ids if not 0 <= k < num_layers]
+    if bad:
+        raise ValueError(f"target.layer_ids {bad} out of range for a target with {num_layers} layers (0..{num_layers - 1})")
+    return ids
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    vocab = tokenizer.get_vocab()
+    vocab_hash = _sha256_bytes(json.dumps(sorted(vocab.items()), separators=(",", ":")).encode())
+    template = tokenizer.chat_template or ""
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return {"sha256": vocab_hash, "chat_template_sha256": _sha256_bytes(template.encode()), "name": tokenizer.name_or_path}
+
+
+def load_target(path: str, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa",
+                trust_remote_code: bool = False) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
+    model.requires_grad_(False)
+    return model.to(device).eval()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's list of layers, wherever the architecture keeps it."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    for owner in (base, getattr(base, "language_model", None), getattr(model, "model", None)):
+        if owner is not None and isinstance(getattr(owner, "layers", None), nn.ModuleList):
+            return owner.layers
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def truncate_layers(model: nn.Module, keep: int) -> None:
+    """Drop the decoder layers after the first `keep` (they never run during extraction)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    owner = base if isinstance(getattr(base, "layers", None), nn.ModuleList) else base.language_model
+    owner.layers = nn.ModuleList(list(owner.layers)[:keep])
+
+
+class FeatureCapture:
+    """Forward hooks that keep the outputs of the selected decoder layers of one forward pass."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.layer_ids = list(layer_ids)
+        self.outputs: dict[int, torch.Tensor] = {}
+        layers = decoder_layers(model)
+        self.handles = [layers[k].register_forward_hook(self._hook(k)) for k in self.layer_ids]
+
+    def _hook(self, k: int):
+        def hook(_module, _inputs, output):
+            self.outputs[k] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def pop(self) -> torch.Tensor:
+        """[B, S, L, H] in layer-id order."""
+        out = torch.stack([self.outputs[k] for k in self.layer_ids], dim=2)
+        self.outputs.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def capture_features(model: nn.Module, capture: FeatureCapture, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor) -> torch.Tensor:
+    """Run the (truncated) decoder on a right-padded batch; returns [B, S, L, H] from the selected layers."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return capture.pop()
+
+
+def frozen_head_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """embed_tokens.weight [V, H], lm_head.weight [V, H] and norm.weight [H] as contiguous CPU tensors."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    norm = getattr(base, "norm", None) or getattr(getattr(base, "language_model", None), "norm", None)
+    out = {"embed_tokens.weight": embed, "lm_head.weight": head}
+    if norm is not None:
+        out["norm.weight"] = norm.weight
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}

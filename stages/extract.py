@@ -1,0 +1,269 @@
+"""`dflash extract`: validate the data, create (or check) the store, run one worker process per shard.
+
+Contract:
+- Everything that can fail cheaply fails before any worker starts: config, data rows (ingest), tokenizer,
+  target metadata, an existing store made by a different run (named differences).
+- Shard i runs on GPU gpus[i] (default: GPU i) with only that GPU visible; with no GPU, workers run on the
+  CPU sharing the cores. `--shard-index I` runs one shard alone (a scheduler or another node).
+- The parent prints live progress (per shard and total samples, tokens, tokens/s, ETA): a redrawn line on a
+  terminal, plain periodic lines otherwise. Workers' stderr goes to STORE/logs/extract-shard-NNNNN.log.
+- A failing worker stops the others (SIGTERM, then SIGKILL), and the command exits 1 naming the shard, its
+  error and how to resume. Ctrl-C/SIGTERM stops all workers after their current commit (exit 130); a second
+  Ctrl-C kills them at once. Rerunning the same command resumes from every shard's last commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from pipeline import __version__
+from pipeline import store as st
+from pipeline.config import Config
+from pipeline.target import load_tokenizer, resolve_layer_ids, target_fingerprint, tokenizer_fingerprint
+
+
+class ExtractError(RuntimeError):
+    pass
+
+
+def build_provenance(cfg: Config, tokenizer, samples, num_shards: int, command: str) -> dict:
+    from data.ingest import dataset_fingerprint
+
+    tfp = target_fingerprint(cfg.target.path)
+    layer_ids = resolve_layer_ids(cfg.target.layer_ids, tfp["num_hidden_layers"], cfg.target.num_feature_layers)
+    tok = tokenizer_fingerprint(tokenizer)
+    tok["enable_thinking"] = cfg.data.enable_thinking
+    n_val = sum(s.split == "validation" for s in samples)
+    return {
+        "schema_version": st.SCHEMA_VERSION,
+        "dflash_version": __version__,
+        "target": {"name": cfg.target.name, "path": cfg.target.path, **tfp},
+        "layer_ids": layer_ids,
+        "hidden_size": tfp["hidden_size"],
+        "encoding": cfg.store.encoding,
+        "feature_dtype": st.feature_dtype(cfg.store.encoding),
+        "feature_layout": "[tokens, len(layer_ids), hidden_size]; fp8 adds scales [tokens, len(layer_ids)]",
+        "chunk_tokens": cfg.store.chunk_tokens,
+        "clevel": cfg.store.clevel,
+        "tokenizer": tok,
+        "dataset": {
+            "fingerprint": dataset_fingerprint(samples),
+            "files": cfg.data.train_files + cfg.data.validation_files,
+            "samples": len(samples),
+            "tokens": int(sum(len(s.input_ids) for s in samples)),
+            "validation_samples": n_val,
+        },
+        "max_length": cfg.data.max_length,
+        "num_shards": num_shards,
+        "created_by": command,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _log_dir(store: str) -> Path:
+    d = Path(store) / "logs" if st.is_local(store) else Path("dflash-logs")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1000:.1f}K" if x >= 1000 else f"{x:.0f}"
+
+
+def _fmt_eta(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Monitor:
+    """Collects workers' JSON progress lines and prints a summary."""
+
+    def __init__(self, shards: list[int], out=sys.stderr):
+        self.state: dict[int, dict] = {i: {} for i in shards}
+        self.first: dict[int, tuple[float, int]] = {}
+        self.errors: dict[int, str] = {}
+        self.out, self.tty = out, out.isatty()
+        self.lock = threading.Lock()
+        self.last_print = 0.0
+
+    def feed(self, shard: int, line: str) -> None:
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        with self.lock:
+            if msg.get("event") == "progress":
+                self.state[shard] = msg
+                self.first.setdefault(shard, (time.time(), msg["tokens"]))
+            elif msg.get("event") == "error":
+                self.errors[shard] = msg.get("error", "unknown error")
+
+    def line(self) -> str:
+        with self.lock:
+            tok = sum(s.get("tokens", 0) for s in self.state.values())
+            ptok = sum(s.get("planned_tokens", 0) for s in self.state.values())
+            smp = sum(s.get("samples", 0) for s in self.state.values())
+            psmp = sum(s.get("planned_samples", 0) for s in self.state.values())
+            rate = 0.0
+            for i, (t0, k0) in self.first.items():
+                dt = time.time() - t0
+                if dt > 1:
+                    rate += (self.state[i].get("tokens", 0) - k0) / dt
+            eta = (ptok - tok) / rate if rate > 0 else None
+            per = " ".join(
+                f"[{i}] {100 * s.get('tokens', 0) / max(1, s.get('planned_tokens', 1)):.0f}%" for i, s in self.state.items()
+            )
+        return f"extract: {smp}/{psmp} samples, {tok}/{ptok} tokens, {_fmt_rate(rate)} tok/s, ETA {_fmt_eta(eta)}  {per}"
+
+    def maybe_print(self, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self.last_print >= (1.0 if self.tty else 15.0):
+            self.last_print = now
+            end = "\r" if self.tty and not force else "\n"
+            print(self.line().ljust(100 if self.tty else 0), end=end, file=self.out, flush=True)
+
+
+def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], shards: Optional[int],
+                gpus: Optional[list[int]], shard_index: Optional[int], store: Optional[str], command: str) -> int:
+    from data.ingest import ingest
+
+    store_path = store or cfg.store.path
+    num_shards = shards or cfg.extract.shards
+    if shard_index is not None and not 0 <= shard_index < num_shards:
+        raise ExtractError(f"--shard-index {shard_index} is out of range for --shards {num_shards}")
+    tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
+    samples, report = ingest(cfg.data, tokenizer)  # raises on bad rows before any worker starts
+    print(report.summary(), file=sys.stderr)
+    provenance = build_provenance(cfg, tokenizer, samples, num_shards, command)
+    stored = st.create_or_open_store(store_path, provenance)
+    reader_state = _shard_done(store_path, num_shards)
+    todo = [shard_index] if shard_index is not None else list(range(num_shards))
+    if all(reader_state.get(i, False) for i in todo):
+        print(f"extract: nothing to do, the store at {store_path} is already complete for shard(s) {todo}", file=sys.stderr)
+        return 0
+    import torch
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus is None:
+        gpus = list(range(num_shards)) if n_gpu else []
+    if n_gpu and shard_index is None and len(gpus) < num_shards:
+        raise ExtractError(f"--shards {num_shards} needs {num_shards} GPUs but --gpus names {len(gpus)}: {gpus}")
+    if n_gpu and any(g >= n_gpu for g in gpus):
+        raise ExtractError(f"--gpus {gpus}: this machine has {n_gpu} GPU(s) (0..{n_gpu - 1})")
+    resume_hint = f"resume with the same command: {command}"
+    logs = _log_dir(store_path)
+    cpu_threads = max(1, (os.cpu_count() or 1) // len(todo))
+    procs: dict[int, subprocess.Popen] = {}
+    monitor = Monitor(todo)
+    readers = []
+    for i in todo:
+        env = dict(os.environ)
+        if n_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpus[0] if shard_index is not None and len(gpus) == 1 else gpus[i])
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        cmd = [sys.executable, "-m", "stages.extract_worker", "--config", str(config_path or ""), "--shard-index",
+               str(i), "--shards", str(num_shards), "--store", store_path, "--threads", str(0 if n_gpu else cpu_threads)]
+        for o in overrides:
+            cmd += ["--set", o]
+        log = open(logs / f"extract-shard-{i:05d}.log", "ab")
+        log.write(f"\n=== {datetime.now().isoformat()} {shlex.join(cmd)}\n".encode())
+        log.flush()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
+        procs[i] = p
+        t = threading.Thread(target=lambda i=i, p=p: [monitor.feed(i, ln) for ln in p.stdout], daemon=True)
+        t.start()
+        readers.append(t)
+
+    interrupted = {"count": 0}
+
+    def on_signal(signum, _frame):
+        interrupted["count"] += 1
+        sig = signal.SIGTERM if interrupted["count"] == 1 else signal.SIGKILL
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed: Optional[int] = None
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            for i, p in procs.items():
+                rc = p.poll()
+                if rc not in (None, 0, 143) and failed is None and not interrupted["count"]:
+                    failed = i
+                    _stop_all(procs, exclude=i)
+            monitor.maybe_print()
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    for t in readers:
+        t.join(timeout=5)
+    monitor.maybe_print(force=True)
+    codes = {i: p.returncode for i, p in procs.items()}
+    bad = [i for i, c in codes.items() if c not in (0, 143) and c is not None and c > 0]
+    if failed is None and bad:
+        failed = bad[0]
+    if failed is not None:
+        err = monitor.errors.get(failed) or _tail(logs / f"extract-shard-{failed:05d}.log")
+        print(f"extract: shard {failed} failed: {err}\n  log: {logs / f'extract-shard-{failed:05d}.log'}\n"
+              f"  committed work is kept; fix the cause and {resume_hint}", file=sys.stderr)
+        return 1
+    if interrupted["count"] or any(c != 0 for c in codes.values()):
+        print(f"extract: stopped; committed work is kept; {resume_hint}", file=sys.stderr)
+        return 130
+    nonfinite = sum(s.get("nonfinite", 0) for s in monitor.state.values())
+    if nonfinite:
+        print(f"extract: {nonfinite} sample(s) had NaN/Inf features and were not written", file=sys.stderr)
+    done = _shard_done(store_path, num_shards)
+    left = [i for i in range(num_shards) if not done.get(i)]
+    where = "complete" if not left else f"waiting for shard(s) {left}"
+    print(f"extract: finished shard(s) {todo}; store {store_path} is {where}", file=sys.stderr)
+    del stored
+    return 0
+
+
+def _stop_all(procs: dict, exclude: int, grace: float = 15.0) -> None:
+    for i, p in procs.items():
+        if i != exclude and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace
+    for p in procs.values():
+        while p.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        if p.poll() is None:
+            p.kill()
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(lines[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _shard_done(store_path: str, num_shards: int) -> dict[int, bool]:
+    import zarr
+
+    root = zarr.open_group(store_path, mode="r")
+    out = {}
+    for i in range(num_shards):
+        try:
+            out[i] = bool(st.Progress.from_attrs(dict(root[st.shard_name(i)].attrs)).done)
+        except KeyError:
+            out[i] = False
+    return out

@@ -1,0 +1,252 @@
+"""One extract shard: run the frozen target over this shard's samples and append their features to the store.
+
+Started by `dflash extract` (one process per shard, only its GPU visible) or by hand/scheduler through
+`dflash extract --shard-index I`. Contract:
+- The shard's samples are `ingest(...)[I::N]`, batched by a deterministic plan (length-sorted, padded
+  tokens <= extract.token_budget), so a resumed shard recomputes exactly the batches it had not committed.
+- Overlap: the main thread runs forward passes and queues each batch's encoded features (GPU -> pinned host
+  copy on a side stream); a writer thread waits for the copy, writes and commits. Bounded by queue_depth.
+- Samples with NaN/Inf features are not written; their count is committed with the shard's progress.
+- Progress goes to stdout as JSON lines (`{"event": "progress", ...}`), read by the parent.
+- SIGTERM: stop producing, commit what is computed, exit 143. If the parent dies the worker gets SIGTERM
+  (Linux PR_SET_PDEATHSIG) and stops the same way, so no orphan keeps a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline import store as st
+from pipeline.config import Config
+from pipeline.encoding import encode, to_storage
+from pipeline.target import (DTYPES, FeatureCapture, capture_features, frozen_head_tensors, load_target,
+                             load_tokenizer, truncate_layers)
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent exits; also exit now if it is already gone."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Batch:
+    index: int
+    members: list[int]  # indices into the shard's sample list
+
+
+def plan_batches(lengths: list[int], token_budget: int, max_batch_size: int) -> list[Batch]:
+    """Longest first; each batch holds samples of similar length with count x max_len <= token_budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget or len(cur) >= max_batch_size:
+            batches.append(Batch(len(batches), cur))
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(Batch(len(batches), cur))
+    return batches
+
+
+def plan_fingerprint(batches: list[Batch], sample_ids: list[str]) -> str:
+    h = hashlib.sha256()
+    for b in batches:
+        h.update((",".join(sample_ids[i] for i in b.members) + ";").encode())
+    return h.hexdigest()[:16]
+
+
+class StopFlag:
+    def __init__(self):
+        self.stop = False
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.stop = True
+
+
+def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -> int:
+    """Extract one shard; returns the process exit code (0 done, 143 stopped by a signal)."""
+    from data.ingest import dataset_fingerprint, ingest
+
+    die_with_parent()
+    stop = StopFlag()
+    root_attrs = st.read_root_attrs(store_path)
+    if root_attrs is None:
+        raise st.StoreError(f"no store at {store_path}: start extraction with `dflash extract` (it creates the store)")
+    if root_attrs["num_shards"] != num_shards:
+        raise st.StoreError(f"the store was created for {root_attrs['num_shards']} shards, not {num_shards}; use --shards {root_attrs['num_shards']}")
+    tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
+    samples, _ = ingest(cfg.data, tokenizer)
+    if dataset_fingerprint(samples) != root_attrs["dataset"]["fingerprint"]:
+        raise st.StoreError("the dataset differs from the one this store was created from; use the same data files and config")
+    mine = samples[shard_index::num_shards]
+    lengths = [len(s.input_ids) for s in mine]
+    plan = plan_batches(lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
+    writer = st.ShardWriter(store_path, shard_index, root_attrs)
+    prog = writer.start(plan_fingerprint(plan, [s.sample_id for s in mine]), len(mine), int(sum(lengths)))
+    report = lambda p: emit("progress", shard=shard_index, batches=p.committed_batches, total_batches=len(plan),
+                            samples=p.committed_samples, tokens=p.committed_tokens, planned_samples=p.planned_samples,
+                            planned_tokens=p.planned_tokens, nonfinite=p.nonfinite_skipped, t=time.time())
+    report(prog)
+    if prog.done:
+        emit("done", shard=shard_index, already=True)
+        return 0
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = DTYPES[cfg.target.dtype if cuda else cfg.target.cpu_dtype]
+    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
+    layer_ids = root_attrs["layer_ids"]
+    head_path = st.frozen_head_path(store_path)
+    if not st.exists(head_path):
+        from safetensors.torch import save
+
+        tensors = frozen_head_tensors(model)
+        tied = root_attrs["target"]["tie_word_embeddings"]
+        if tied:
+            tensors.pop("lm_head.weight")
+        st.write_bytes_atomic(head_path, save(tensors, metadata={"tie_word_embeddings": str(tied).lower()}))
+    truncate_layers(model, max(layer_ids) + 1)
+    capture = FeatureCapture(model, layer_ids)
+    encoding = root_attrs["encoding"]
+
+    q: queue.Queue = queue.Queue(maxsize=max(1, cfg.extract.queue_depth))
+    errors: list[BaseException] = []
+
+    def write_loop():
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            try:
+                if errors:
+                    continue
+                members, event, payload, scales, bad = item
+                if event is not None:
+                    event.synchronize()
+                feats = to_storage(payload)
+                sc = scales.numpy() if scales is not None else None
+                bad = bad.numpy()
+                sel = [m for m, b in zip(members, bad) if not b]
+                lens = np.array([lengths[m] for m in members], dtype=np.int64)
+                if bad.any():  # rare: drop the samples whose features are not finite
+                    keep_tok = np.repeat(~bad, lens)
+                    feats, sc = feats[keep_tok], (sc[keep_tok] if sc is not None else None)
+                toks = np.concatenate([mine[m].input_ids for m in sel]) if sel else np.zeros(0, np.int32)
+                mask = np.concatenate([mine[m].loss_mask for m in sel]) if sel else np.zeros(0, np.uint8)
+                p = writer.write_batch(
+                    np.array([st.sample_id_to_int(mine[m].sample_id) for m in sel], dtype=np.uint64),
+                    np.array([st.SPLITS[mine[m].split] for m in sel], dtype=np.uint8),
+                    np.array([lengths[m] for m in sel], dtype=np.int32), toks.astype(np.int32),
+                    mask.astype(np.uint8), feats, sc, nonfinite_skipped=int(bad.sum()))
+                report(p)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the main thread
+                errors.append(e)
+
+    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True)
+    thread.start()
+    side = torch.cuda.Stream() if cuda else None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    try:
+        for batch in plan[prog.committed_batches:]:
+            if stop.stop or errors:
+                break
+            members = batch.members
+            S = max(lengths[m] for m in members)
+            ids = torch.full((len(members), S), pad_id, dtype=torch.long)
+            att = torch.zeros((len(members), S), dtype=torch.long)
+            for r, m in enumerate(members):
+                ids[r, : lengths[m]] = torch.from_numpy(mine[m].input_ids.astype(np.int64))
+                att[r, : lengths[m]] = 1
+            ids, att = ids.to(device, non_blocking=True), att.to(device, non_blocking=True)
+            feats = capture_features(model, capture, ids, att)  # [B, S, L, H]
+            valid = att.bool()
+            flat = feats[valid]  # [T, L, H], samples back to back in batch order
+            tok_ok = torch.isfinite(flat).flatten(1).all(dim=1)  # [T]
+            lens_t = torch.tensor([lengths[m] for m in members], device=device)
+            sample_of_tok = torch.repeat_interleave(torch.arange(len(members), device=device), lens_t)
+            bad = torch.zeros(len(members), dtype=torch.int32, device=device).index_add_(
+                0, sample_of_tok, (~tok_ok).to(torch.int32)) > 0  # [B] sample has a NaN/Inf feature
+            payload, scales = encode(flat, encoding)
+            if cuda:
+                done = torch.cuda.Event()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    host_p = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+                    host_p.copy_(payload, non_blocking=True)
+                    host_s = None
+                    if scales is not None:
+                        host_s = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
+                        host_s.copy_(scales, non_blocking=True)
+                    host_b = bad.to("cpu", non_blocking=True)
+                    done.record(side)
+                for t in (payload, scales, bad):
+                    if t is not None:
+                        t.record_stream(side)
+                q.put((members, done, host_p, host_s, host_b))
+            else:
+                q.put((members, None, payload, scales, bad))
+    finally:
+        q.put(None)
+        thread.join()
+        capture.remove()
+    if errors:
+        raise errors[0]
+    if stop.stop:
+        emit("stopped", shard=shard_index, samples=writer.progress.committed_samples)
+        return 143
+    writer.finish()
+    report(writer.progress)
+    emit("done", shard=shard_index, already=False)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from pipeline.config import load_config
+
+    ap = argparse.ArgumentParser(description="one dflash extract shard (normally started by `dflash extract`)")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--shard-index", type=int, required=True)
+    ap.add_argument("--shards", type=int, required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = load_config(a.config, a.overrides)
+    try:
+        return run_shard(cfg, a.shard_index, a.shards, a.store)
+    except Exception as e:  # noqa: BLE001 - reported to the parent as one line, traceback to the log
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        emit("error", shard=a.shard_index, error=f"{type(e).__name__}: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""`dflash train`: Lightning DDP training of the drafter from the store alone, then export.
+
+Contract:
+- Reads only the store (features, tokens, masks, frozen_head.safetensors); never loads the target.
+- Refuses a store whose provenance does not match the config (target name, layer ids, hidden size,
+  vocabulary/mask token), naming each difference, and an incomplete store.
+- `strategy="ddp"` with one process per named GPU (`--gpus 5,6,7`), or CPU processes over gloo
+  (`--devices N`). Lightning re-executes the command once per rank, so everything before `fit` here is
+  deterministic and rank-independent (reading attrs, building objects, creating the same directories).
+- Checkpoints every train.checkpoint_every steps and at the end into RUN/checkpoints (last.ckpt);
+  `--resume` continues from last.ckpt with the same step, optimiser, scheduler and data position.
+- At the end, rank 0 exports the drafter to RUN/export (the serving directory format).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pipeline import store as st
+from pipeline.config import Config, dump_config
+from pipeline.target import resolve_layer_ids
+
+
+class TrainError(RuntimeError):
+    pass
+
+
+def check_store_matches(cfg: Config, attrs: dict) -> list[int]:
+    """Return the layer ids to train with, or raise TrainError naming every mismatch."""
+    t = attrs["target"]
+    diffs = []
+    if cfg.target.name and cfg.target.name != t["name"]:
+        diffs.append(f"target: store was extracted from {t['name']!r}, config says {cfg.target.name!r}")
+    expected_ids = resolve_layer_ids(cfg.target.layer_ids, t["num_hidden_layers"], cfg.target.num_feature_layers)
+    if expected_ids != attrs["layer_ids"]:
+        diffs.append(f"layer ids: store has {attrs['layer_ids']}, config gives {expected_ids}")
+    if cfg.drafter.hidden_size != attrs["hidden_size"]:
+        diffs.append(f"hidden size: store has {attrs['hidden_size']}, drafter.hidden_size is {cfg.drafter.hidden_size}")
+    if not 0 <= cfg.drafter.mask_token_id < t["vocab_size"]:
+        diffs.append(f"vocab: drafter.mask_token_id {cfg.drafter.mask_token_id} is outside the store's vocabulary of {t['vocab_size']}")
+    if cfg.data.max_length < attrs["max_length"]:
+        pass  # training on shorter sequences than extracted is allowed (samples are used whole)
+    if diffs:
+        raise TrainError("the store does not match this config:\n  " + "\n  ".join(diffs)
+                         + "\nPoint --store at a store made for this target/config, or fix the config.")
+    return expected_ids
+
+
+def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int, world: int, pad_multiple: int):
+    from data.store_dataset import RankBatchSampler, StoreDataset, collate
+
+    t = cfg.train
+    train_idx, val_idx = reader.indices("train"), reader.indices("validation")
+    if not train_idx:
+        raise TrainError(f"the store at {store_path} has no training samples")
+    lengths = lambda idx: [reader.samples[i].length for i in idx]  # noqa: E731
+    a_mult = max(1, 128 // cfg.drafter.block_size) if pad_multiple > 1 else 1
+    n_anchor = int(-(-t.num_anchors // a_mult) * a_mult)
+    col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
+    train_ds = StoreDataset(store_path, train_idx, t.num_anchors, t.seed)
+    sampler = RankBatchSampler(lengths(train_idx), t.batch_size, rank, world, t.seed)
+    kw = dict(num_workers=t.num_workers, collate_fn=col, pin_memory=torch.cuda.is_available(),
+              persistent_workers=t.num_workers > 0, prefetch_factor=4 if t.num_workers > 0 else None)
+    train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, **kw)
+    val_dl = None
+    if val_idx:
+        val_ds = StoreDataset(store_path, val_idx, t.num_anchors, t.seed, fixed_anchors=True)
+        val_sampler = RankBatchSampler(lengths(val_idx), t.batch_size, rank, world, t.seed, shuffle=False)
+        val_dl = torch.utils.data.DataLoader(val_ds, batch_sampler=val_sampler, **{**kw, "persistent_workers": False})
+    return train_dl, val_dl, sampler
+
+
+def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
+              command: str, export: bool = True) -> int:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from stages.train_module import DrafterTask
+
+    store_path = store or cfg.store.path
+    attrs = st.read_root_attrs(store_path)
+    if attrs is None:
+        raise TrainError(f"no store at {store_path}; run `dflash extract` first or pass --store PATH")
+    layer_ids = check_store_matches(cfg, attrs)
+    reader = st.StoreReader(store_path)  # refuses an incomplete store
+    head = st.frozen_head_path(store_path)
+    if not st.exists(head):
+        raise TrainError(f"{head} is missing: the store is incomplete; resume `dflash extract` to write it")
+    run_dir = Path(cfg.train.run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    if resume and not last.exists():
+        raise TrainError(f"--resume: no checkpoint at {last}; start without --resume")
+    if not resume and last.exists():
+        raise TrainError(f"{run_dir} already holds a run (checkpoint {last}); pass --resume to continue it, "
+                         "or set --set train.run_dir=NEW_DIR for a new run")
+
+    use_gpu = torch.cuda.is_available() and gpus != []
+    if use_gpu:
+        accel, devs = "gpu", (gpus if gpus else [0])
+        world = len(devs)
+        precision = cfg.train.precision
+    else:
+        accel, devs = "cpu", (devices or 1)
+        world = devs
+        precision = "32-true"
+    strategy = "ddp" if world > 1 else "auto"
+    if world > 1 and not use_gpu:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(process_group_backend="gloo")
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))  # set by Lightning for child ranks
+    train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1)
+    steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = DrafterTask(cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"])
+
+    class _ResumeSampler(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            s = pl_module.sampler_state
+            if resume and s.get("batches_done"):
+                sampler.resume(s["epoch"], s["batches_done"])
+
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last=True,
+                                 save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
+    loggers = [CSVLogger(run_dir, name="logs", version="")]
+    try:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        import tensorboard  # noqa: F401
+
+        loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version=""))
+    except ImportError:
+        pass
+    trainer = L.Trainer(
+        accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
+        max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
+        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, _ResumeSampler()],
+        logger=loggers, log_every_n_steps=cfg.train.log_every, val_check_interval=min(cfg.train.val_every, len(sampler)),
+        check_val_every_n_epoch=1, num_sanity_val_steps=0, use_distributed_sampler=False,
+        enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,
+    )
+    if trainer.is_global_zero:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        (run_dir / "command.txt").write_text(command + "\n")
+    trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
+    checkpoint_path = ckpt_dir / "last.ckpt"
+    trainer.save_checkpoint(checkpoint_path)  # every rank calls it (it synchronises); rank 0 writes
+    if trainer.is_global_zero:
+        summary = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
+                   "val": getattr(task, "last_val", {}), "checkpoint": str(checkpoint_path)}
+        if export:
+            from stages.export_stage import export_checkpoint
+
+            summary["export"] = str(export_checkpoint(str(checkpoint_path), str(run_dir / "export")))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"train: {trainer.global_step} steps; val tau {summary['val'].get('val/tau', float('nan')):.3f}; "
+              f"checkpoint {checkpoint_path}" + (f"; export {summary.get('export')}" if export else ""), file=sys.stderr)
+    return 0
