@@ -1,0 +1,285 @@
+"""The DFlash drafter: a few Qwen3-style decoder layers conditioned on target hidden states by KV injection.
+
+    features [B, S, L*H]  (outputs of target layers target_layer_ids, concatenated in that order)
+        -> ctx = hidden_norm(fc(features))                          [B, S, H]   once per sequence
+    block_embeds [B, Q, H] (target's frozen embedding of [anchor, MASK, MASK, ...] per block)
+        -> n x layer:  h = h + attn(input_layernorm(h), ctx);  h = h + mlp(post_attention_layernorm(h))
+        -> norm(h)                                                  [B, Q, H]   (caller applies the frozen lm_head)
+
+    attn: queries from the block tokens only; keys/values = [k_proj/v_proj(ctx) ; k_proj/v_proj(h_normed)].
+          ctx is already RMS-normalised by hidden_norm and is projected directly (no input_layernorm), exactly
+          as the public DFlash reference. Both halves of the keys go through the layer's k_norm (per head),
+          then RoPE at their true positions: context keys at ctx_pos, block keys and queries at q_pos.
+          Which key a query may see is the caller's business: it passes `attend(q, k, v, layer_idx)`
+          (SDPA with a dense mask on CPU, compiled flex_attention with a BlockMask on CUDA; see masks.py).
+
+No embedding and no lm_head here: both belong to the target and stay frozen. Parameter names are the export
+contract (`layers.{i}.self_attn.q_proj.weight`, ..., `fc.weight`, `hidden_norm.weight`, `norm.weight`),
+so `state_dict()` is the exported checkpoint. Torch-only (plus the sibling masks.py): this file is copied
+next to the exported modeling file, so it must not import the rest of the project or transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .masks import FULL, SLIDING, make_attend
+
+Attend = Callable[[Tensor, Tensor, Tensor, int], Tensor]  # (q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_idx) -> [B,h,Q,d]
+
+
+@dataclass
+class DrafterArch:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_layer_ids: list[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 262144
+    layer_types: Optional[list[str]] = None  # per layer: full_attention | sliding_attention (None: all full)
+    sliding_window: Optional[int] = None
+    block_size: int = 16
+    mask_token_id: int = 0
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need sliding_window")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not self.target_layer_ids:
+            raise ValueError("need at least one target layer id")
+
+    @classmethod
+    def from_config(cls, cfg, target_layer_ids) -> "DrafterArch":
+        """From a `pipeline.config.DrafterConfig` (duck-typed: this file imports nothing of the project)."""
+        return cls(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            target_layer_ids=list(target_layer_ids),
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta,
+            max_position_embeddings=cfg.max_position_embeddings,
+            layer_types=list(cfg.layer_types) if cfg.layer_types else None,
+            sliding_window=cfg.sliding_window if cfg.layer_types and SLIDING in cfg.layer_types else None,
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+        )
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def uses_sliding(self) -> bool:
+        return SLIDING in self.layer_types
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks (Qwen3)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # statistics in fp32
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (Qwen3 / rotate-half layout, full rotary dim)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # [d/2]
+    freqs = positions[..., None].float() * inv_freq  # [B, T, d/2], fp32 (exact for positions < 2^24)
+    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, d]
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin  # x [B, h, T, d], cos/sin [B, 1, T, d]
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: DrafterArch):
+        super().__init__()
+        H, d = arch.hidden_size, arch.head_dim
+        self.n_head, self.n_kv, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, d
+        self.q_proj = nn.Linear(H, self.n_head * d, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_head * d, H, bias=False)
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps)  # per head, over head_dim
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend, layer_idx: int) -> Tensor:
+        # x [B, Q, H] (block tokens, after input_layernorm), ctx [B, S, H] (hidden_norm(fc(features)))
+        # cos/sin [B, 1, S+Q, d]: context positions then block positions
+        B, Q, _ = x.shape
+        S = ctx.shape[1]
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.n_head, d)).transpose(1, 2)  # [B, h, Q, d]
+        q = apply_rope(q, cos[:, :, S:], sin[:, :, S:])
+        kv_in = torch.cat([ctx, x], dim=1)  # [B, S+Q, H]: KV injection, context first
+        k = self.k_norm(self.k_proj(kv_in).view(B, S + Q, self.n_kv, d)).transpose(1, 2)  # [B, kv, S+Q, d]
+        k = apply_rope(k, cos, sin)
+        v = self.v_proj(kv_in).view(B, S + Q, self.n_kv, d).transpose(1, 2)  # [B, kv, S+Q, d]
+        # under autocast the fp32 norm weights promote q/k to fp32 while v is bf16; flex needs one dtype
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        o = attend(q, k, v, layer_idx)  # [B, h, Q, d]
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_head * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: DrafterArch):
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: DrafterArch, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, attend, self.layer_idx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the drafter
+# ----------------------------------------------------------------------------------------------------------
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, arch: DrafterArch):
+        super().__init__()
+        self.arch = arch
+        H = arch.hidden_size
+        self.layers = nn.ModuleList([DecoderLayer(arch, i) for i in range(arch.num_hidden_layers)])
+        self.fc = nn.Linear(arch.num_features * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
+        self.norm = RMSNorm(H, arch.rms_norm_eps)
+        self.gradient_checkpointing = False  # per-layer activation checkpointing in training
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Linear weights ~ N(0, initializer_range) (as transformers' Qwen3 init), RMSNorm weights = 1."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, self.arch.initializer_range)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def project_context(self, features: Tensor) -> Tensor:
+        """features [B, S, L*H] (target layers in target_layer_ids order) -> ctx [B, S, H]."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(self, block_embeds: Tensor, ctx: Tensor, q_pos: Tensor, ctx_pos: Tensor, attend: Attend) -> Tensor:
+        """block_embeds [B, Q, H], ctx [B, S, H], q_pos [B, Q], ctx_pos [B, S] -> final-normed hidden [B, Q, H]."""
+        d, theta = self.arch.head_dim, self.arch.rope_theta
+        cos, sin = rope_cos_sin(torch.cat([ctx_pos, q_pos], dim=1), d, theta, block_embeds.dtype)  # [B,1,S+Q,d]
+        h = block_embeds
+        for layer in self.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, ctx, cos, sin, attend, use_reentrant=False)
+            else:
+                h = layer(h, ctx, cos, sin, attend)
+        return self.norm(h)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# inference helper (evaluation): draft blocks after given anchors of one sequence
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def draft_blocks(
+    drafter: nn.Module,
+    features: Tensor,
+    anchor_positions: Tensor,
+    anchor_ids: Tensor,
+    embed_weight: Tensor,
+    lm_head_weight: Tensor,
+    *,
+    mask_token_id: Optional[int] = None,
+    block_size: Optional[int] = None,
+    return_logits: bool = False,
+):
+    """Greedy DFlash drafts for several anchors of one sequence in one forward (SDPA, any device).
+
+    features [S, L*H]: target features of context positions 0..S-1. anchor_positions [A] (each 0..S; S means
+    "right after the context", the serving case) and anchor_ids [A] (the token at each anchor). The block
+    of anchor p sees exactly the context positions < p: the same geometry as training, so drafting with
+    several anchors at once equals drafting each one with features[:p].
+    Returns draft ids [A, bs-1] (slot k = 1..bs-1 guesses token p+k), plus fp32 logits [A, bs-1, V] if asked.
+    """
+    arch: DrafterArch = drafter.arch
+    bs = block_size or arch.block_size
+    mask_id = arch.mask_token_id if mask_token_id is None else mask_token_id
+    dev = features.device
+    dtype = next(drafter.parameters()).dtype
+    S = features.shape[0]
+    anchors = anchor_positions.to(dev, torch.long).view(1, -1)  # [1, A]
+    A = anchors.shape[1]
+    if A == 0 or int(anchors.min()) < 0 or int(anchors.max()) > S:
+        raise ValueError(f"anchor positions must lie in [0, {S}] (context length), got {anchor_positions.tolist()}")
+    k = torch.arange(bs, device=dev)
+    ids = torch.full((A, bs), mask_id, dtype=torch.long, device=dev)
+    ids[:, 0] = anchor_ids.to(dev, torch.long)
+    q_pos = (anchors.view(A, 1) + k).view(1, A * bs)  # [1, A*bs]
+    ctx_pos = torch.arange(S, device=dev).view(1, S)
+    block_embeds = F.embedding(ids.view(1, A * bs), embed_weight).to(dtype)  # [1, A*bs, H]
+    ctx = drafter.project_context(features.to(dtype).reshape(1, S, features.shape[-1]))  # [1, S, H]
+    attend = make_attend(
+        "sdpa", anchors=anchors, block_size=bs, ctx_len=S,
+        layer_types=arch.layer_types, sliding_window=arch.sliding_window,
+    )
+    h = drafter(block_embeds, ctx, q_pos, ctx_pos, attend).view(A, bs, -1)[:, 1:]  # [A, bs-1, H]
+    logits = (h.to(lm_head_weight.dtype) @ lm_head_weight.t()).float()  # [A, bs-1, V]
+    draft = logits.argmax(-1)
+    return (draft, logits) if return_logits else draft

@@ -1,0 +1,127 @@
+"""Chunked, gamma-weighted cross-entropy through the target's FROZEN lm_head.
+
+For a 27B target the head is [248,320 x 5120]; one training sample has ~8K block rows, so full logits
+(rows x V fp32 = 8 GB, plus the same again for softmax and for the backward) must never exist. The custom
+autograd Function below walks the rows in chunks of `chunk_rows`; per chunk it computes the logits, the
+per-row CE, the argmax and, because the head is frozen, the whole input gradient
+
+    dL/dh_i = w_i * (softmax(h_i W^T) - onehot(y_i)) @ W        [rows, H]
+
+and stashes it. Backward only scales the stash by the incoming scalar gradient: no logits are recomputed or
+kept, so peak extra memory is O(chunk_rows x V), independent of the number of rows.
+Rows with label IGNORE_INDEX (or weight 0) are skipped entirely (padded anchors, slot 0, unsupervised).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedWeightedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, row_weights: Tensor, chunk_rows: int):
+        # hidden [N, H], weight [V, H] (frozen), labels [N] long, row_weights [N]
+        N, H = hidden.shape
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.zeros_like(hidden) if need_grad else None  # [N, H] stashed dL/dh
+        correct = torch.zeros(N, dtype=torch.bool, device=hidden.device)
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs (tests)
+        loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+        live = (labels != IGNORE_INDEX) & (row_weights != 0)
+        rows = torch.nonzero(live, as_tuple=False).flatten()  # [R] supervised rows (host sync, outside compile)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for start in range(0, rows.numel(), chunk_rows):
+                idx = rows[start : start + chunk_rows]  # [c]
+                h = hidden.index_select(0, idx).to(weight.dtype)  # [c, H]
+                y = labels.index_select(0, idx)  # [c]
+                w = row_weights.index_select(0, idx).to(acc_dtype)  # [c]
+                logits = (h @ weight.t()).to(acc_dtype)  # [c, V]: fp32-accumulated GEMM, softmax in fp32
+                correct[idx] = logits.argmax(-1) == y
+                lse = torch.logsumexp(logits, dim=-1)  # [c]
+                ce = lse - logits.gather(1, y[:, None]).squeeze(1)  # [c]
+                loss_sum = loss_sum + (ce * w.to(acc_dtype)).sum()
+                if need_grad:
+                    probs = logits.sub_(lse[:, None]).exp_()  # in place: softmax [c, V]
+                    probs[torch.arange(idx.numel(), device=idx.device), y] -= 1.0
+                    probs.mul_(w[:, None])
+                    grad.index_copy_(0, idx, (probs.to(weight.dtype) @ weight).to(grad.dtype))  # [c, H]
+                del logits
+        ctx.save_for_backward(grad if need_grad else torch.empty(0))
+        ctx.mark_non_differentiable(correct)
+        return loss_sum, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, grad_correct: Optional[Tensor]):
+        (grad,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def chunked_weighted_ce(
+    hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int = 4096
+) -> tuple[Tensor, Tensor]:
+    """Sum_i w_i * CE(h_i @ W^T, y_i) over rows, never holding more than chunk_rows x V logits.
+
+    hidden [..., H] (the drafter's final-normed output), lm_head_weight [V, H] (frozen: requires_grad False),
+    labels [...] (IGNORE_INDEX = no loss), weights [...] (exp(-(k-1)/gamma), 0 where ignored).
+    Returns (loss_sum: fp32 scalar with grad to hidden, correct: bool [...] = argmax == label, False where
+    ignored). Normalise with `normalised_loss`.
+    """
+    if lm_head_weight.requires_grad:
+        raise ValueError("chunked_weighted_ce: the lm_head is frozen here (no weight gradient is computed); "
+                         "call lm_head_weight.requires_grad_(False) or pass .detach()")
+    if chunk_rows <= 0:
+        raise ValueError("chunk_rows must be positive")
+    shape = labels.shape
+    H = hidden.shape[-1]
+    loss_sum, correct = _ChunkedWeightedCE.apply(
+        hidden.reshape(-1, H), lm_head_weight, labels.reshape(-1).long(), weights.reshape(-1), int(chunk_rows)
+    )
+    return loss_sum, correct.view(shape)
+
+
+def normalised_loss(
+    loss_sum: Tensor,
+    weight_sum_local: Tensor,
+    world_size: int = 1,
+    all_reduce_fn: Optional[Callable[[Tensor], Tensor]] = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """The loss to call backward on: loss_sum / W_global * world_size.
+
+    The DFlash loss is normalised by the sum of loss weights over ALL tokens of the global batch, not per rank:
+    ranks hold different numbers of supervised tokens, and a per-rank mean would give a rank with 10 tokens the
+    same say as one with 10,000. DDP then AVERAGES gradients over ranks (divides their sum by world_size), so
+    each rank returns loss_sum_rank / W_global * world_size: the averaged gradient is exactly the gradient of
+    sum_over_ranks(loss_sum) / W_global. all_reduce_fn(t) must return the SUM of t over ranks (e.g. Lightning's
+    `self.all_gather(t).sum(0)` or torch.distributed.all_reduce on a clone); it is not differentiated through.
+    With gradient accumulation over M micro-batches, also divide by M (or use the window's global weight sum).
+    """
+    w = weight_sum_local.detach().to(torch.float32)
+    if world_size > 1:
+        if all_reduce_fn is None:
+            raise ValueError("normalised_loss: world_size > 1 needs an all_reduce_fn that sums over ranks")
+        w = all_reduce_fn(w.clone()).detach()
+    return loss_sum / w.clamp_min(eps) * world_size
+
+
+@torch.no_grad()
+def slot_counts(correct: Tensor, labels: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Per-slot (hits, supervised) counts over blocks: correct/labels [B, A*bs] -> two [bs-1] fp32 tensors.
+
+    Sum them over ranks and steps, then acc_k = hits_k / supervised_k, and tau = 1 + sum_k prod_{i<=k} acc_i.
+    """
+    lab = labels.reshape(-1, block_size)[:, 1:]  # [blocks, bs-1]
+    hit = correct.reshape(-1, block_size)[:, 1:] & (lab != IGNORE_INDEX)
+    return hit.float().sum(0), (lab != IGNORE_INDEX).float().sum(0)
+
+
+def acceptance_length(slot_acc: Tensor) -> Tensor:
+    """tau = 1 + sum_k prod_{i<=k} acc_i (expected accepted drafts per block plus the target's own token)."""
+    return 1.0 + torch.cumprod(slot_acc.float(), 0).sum()

@@ -1,0 +1,295 @@
+"""DFlash training geometry: anchors, blocks, labels, loss weights and the attention mask.
+
+Shared by the CPU path (SDPA with a dense boolean mask) and the GPU path (compiled flex_attention with a
+block-sparse BlockMask). Both masks come from ONE predicate, `dflash_mask_mod`, so they cannot drift apart.
+
+Layout of one training row (one sequence of S context positions and A anchors of block size bs):
+
+    queries  q_idx in [0, Q), Q = A*bs     block j = q_idx // bs, slot k = q_idx % bs
+                                            token = [token[anchor_j], MASK, MASK, ...]  position anchor_j + k
+    keys     kv_idx in [0, S + Q)           kv < S: context position kv (target features of token kv)
+                                            kv >= S: block token (kv - S), same order as the queries
+
+Visibility (the whole contract, see `dflash_mask_mod`):
+    - context: kv < anchor_j (STRICT: at inference the anchor's own target features do not exist yet) and
+      kv < seq_len; sliding-window layers also need (anchor_j + k) - kv < W, i.e. the last W positions
+      before the query's own position, as a standard sliding window over the query's true position;
+    - block tokens: every token of its own block (bidirectional); sliding-window layers are causal inside the
+      block (slot k sees slots <= k); never another block;
+    - padded anchors (-1) see only their own block (so no SDPA row is fully masked and nothing is NaN).
+
+This file must stay torch-only (no project imports): it is copied next to the exported modeling file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+FLEX_BLOCK = 128  # flex_attention's tile; lengths are padded to a multiple of it
+
+
+# ----------------------------------------------------------------------------------------------------------
+# anchors and blocks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Anchors for one sequence: uniform without replacement among a with m[a] and m[a+1] (a+1 < S); sorted.
+
+    loss_mask: [S] bool/int. Returns a LongTensor [min(num_anchors, #candidates)] on loss_mask's device.
+    A fresh generator state per epoch gives fresh anchors per epoch.
+    """
+    m = loss_mask.bool()
+    cand = torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()  # [C] positions a with a+1 < S
+    if cand.numel() > num_anchors:
+        perm = torch.randperm(cand.numel(), generator=generator, device="cpu")[:num_anchors]
+        cand = cand[perm.to(cand.device)]
+    return torch.sort(cand).values
+
+
+def stack_anchors(anchors: Sequence[Tensor], num_anchors: Optional[int] = None, multiple: int = 1) -> Tensor:
+    """Pad per-sequence anchor lists with -1 into [B, A]; A = max(num_anchors or longest), rounded up to `multiple`.
+
+    Use multiple = 128 // block_size (when it divides) so that Q = A*bs is a multiple of 128 for flex.
+    """
+    longest = max((int(a.numel()) for a in anchors), default=0)
+    width = max(longest, num_anchors or 0, 1)
+    width = int(math.ceil(width / multiple) * multiple)
+    out = torch.full((len(anchors), width), -1, dtype=torch.long)
+    for i, a in enumerate(anchors):
+        out[i, : a.numel()] = a.to(torch.long).cpu()
+    return out
+
+
+class Blocks(NamedTuple):
+    input_ids: Tensor  # [B, A*bs] long: [token[anchor], MASK x (bs-1)] per block (all MASK for padded anchors)
+    positions: Tensor  # [B, A*bs] long: anchor + k (k for padded anchors)
+    labels: Tensor  # [B, A*bs] long: token[anchor + k] for k >= 1 where supervised, else IGNORE_INDEX
+    weights: Tensor  # [B, A*bs] float32: exp(-(k-1)/gamma) where labelled, else 0
+
+
+def build_blocks(
+    tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int, mask_token_id: int, gamma: float
+) -> Blocks:
+    """Block inputs, query positions, labels and loss weights for anchors [B, A] (-1 = padding).
+
+    tokens, loss_mask: [B, S]. Slot k of block j predicts token[anchor_j + k] (k = 1..bs-1); slot 0 (the
+    anchor itself) carries no loss; labels past the sequence end or on loss_mask == 0 are dropped.
+    """
+    B, S = tokens.shape
+    A = anchors.shape[1]
+    dev = tokens.device
+    anchors = anchors.to(dev)
+    valid = anchors >= 0  # [B, A]
+    a = anchors.clamp(min=0)  # [B, A]
+    k = torch.arange(block_size, device=dev)  # [bs]
+    pos = a[:, :, None] + k  # [B, A, bs]
+    inside = pos < S
+    pos_c = pos.clamp(max=S - 1).view(B, A * block_size)
+    tok_at = tokens.gather(1, pos_c).view(B, A, block_size)
+    sup_at = loss_mask.bool().gather(1, pos_c).view(B, A, block_size)
+
+    input_ids = torch.full((B, A, block_size), mask_token_id, dtype=torch.long, device=dev)
+    input_ids[:, :, 0] = torch.where(valid, tok_at[:, :, 0], torch.full_like(tok_at[:, :, 0], mask_token_id))
+
+    labelled = valid[:, :, None] & (k >= 1) & inside & sup_at  # [B, A, bs]
+    labels = torch.where(labelled, tok_at, torch.full_like(tok_at, IGNORE_INDEX))
+    decay = torch.exp(-(k.to(torch.float32) - 1.0) / float(gamma))  # [bs]
+    weights = torch.where(labelled, decay.expand(B, A, block_size), torch.zeros((), device=dev))
+
+    flat = lambda t: t.reshape(B, A * block_size)  # noqa: E731
+    return Blocks(flat(input_ids), flat(pos), flat(labels), flat(weights).to(torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the one mask predicate
+# ----------------------------------------------------------------------------------------------------------
+
+
+def dflash_mask_mod(
+    anchors: Tensor, seq_lens: Tensor, ctx_len: int, block_size: int, window: Optional[int] = None
+) -> Callable:
+    """The visibility predicate mask_mod(b, h, q_idx, kv_idx) -> bool (see the module docstring).
+
+    anchors: [B, A'] long (-1 = padding; A' may exceed the real A to cover padded query rows), seq_lens: [B]
+    long (valid context length per row), ctx_len: S (where block keys start), window: None for full
+    attention, W for a sliding-window layer (which is also causal inside the block).
+    Written with tensor ops only: flex vmaps it over scalars, `dense_mask` broadcasts it over index grids.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size  # block of the query
+        slot = q_idx % block_size  # its slot k
+        anchor = anchors[b, blk]  # -1 for padding: sees no context
+        is_ctx = kv_idx < ctx_len
+        ctx_ok = is_ctx & (kv_idx < anchor) & (kv_idx < seq_lens[b])
+        kv_blk = kv_idx - ctx_len  # index among block tokens (negative for context)
+        own = (~is_ctx) & (torch.div(kv_blk, block_size, rounding_mode="floor") == blk)
+        if window is not None:
+            ctx_ok = ctx_ok & (anchor + slot - kv_idx < window)
+            own = own & (torch.remainder(kv_blk, block_size) <= slot)
+        return ctx_ok | own
+
+    return mask_mod
+
+
+def _seq_lens(seq_lens: Optional[Tensor], batch: int, ctx_len: int, device) -> Tensor:
+    if seq_lens is None:
+        return torch.full((batch,), ctx_len, dtype=torch.long, device=device)
+    return seq_lens.to(device=device, dtype=torch.long)
+
+
+def dense_mask(
+    anchors: Tensor,
+    block_size: int,
+    ctx_len: int,
+    seq_lens: Optional[Tensor] = None,
+    window: Optional[int] = None,
+) -> Tensor:
+    """bool [B, 1, Q, S+Q] (True = attend) for SDPA: the predicate broadcast over index grids. Q = A*bs."""
+    B, A = anchors.shape
+    dev = anchors.device
+    Q = A * block_size
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.zeros((), dtype=torch.long, device=dev)
+    q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
+    kv = torch.arange(ctx_len + Q, device=dev).view(1, 1, 1, ctx_len + Q)
+    mod = dflash_mask_mod(anchors.long(), _seq_lens(seq_lens, B, ctx_len, dev), ctx_len, block_size, window)
+    return mod(b, h, q, kv).expand(B, 1, Q, ctx_len + Q)
+
+
+def padded_len(n: int, multiple: int = FLEX_BLOCK) -> int:
+    return int(math.ceil(n / multiple) * multiple)
+
+
+_COMPILED_CREATE_BLOCK_MASK = None
+_COMPILED_FLEX = None
+
+
+def _create_block_mask_fn(compile: bool):
+    """create_block_mask, compiled once per process when asked (eager materialises the dense Q x KV grid)."""
+    global _COMPILED_CREATE_BLOCK_MASK
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if not compile:
+        return create_block_mask
+    if _COMPILED_CREATE_BLOCK_MASK is None:
+        _COMPILED_CREATE_BLOCK_MASK = torch.compile(create_block_mask)
+    return _COMPILED_CREATE_BLOCK_MASK
+
+
+def _flex_fn(compile: bool):
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compile:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX
+
+
+def flex_block_mask(
+    anchors: Tensor,
+    block_size: int,
+    ctx_len: int,
+    seq_lens: Optional[Tensor] = None,
+    window: Optional[int] = None,
+    compile: Optional[bool] = None,
+):
+    """BlockMask over (Q, S+Q) padded up to multiples of 128, from the same predicate as `dense_mask`.
+
+    Padded query rows belong to extra padded anchors (-1); padded key columns sit after the block tokens and
+    are seen by nothing real. compile=None compiles on CUDA. Build once per batch per layer type and share it
+    by all layers of that type.
+    """
+    B, A = anchors.shape
+    dev = anchors.device
+    Q = A * block_size
+    q_len, kv_len = padded_len(Q), padded_len(ctx_len + Q)
+    a_pad = int(math.ceil(q_len / block_size))
+    if a_pad > A:
+        anchors = torch.cat([anchors, anchors.new_full((B, a_pad - A), -1)], dim=1)
+    mod = dflash_mask_mod(anchors.long(), _seq_lens(seq_lens, B, ctx_len, dev), ctx_len, block_size, window)
+    compile = (dev.type == "cuda") if compile is None else compile
+    return _create_block_mask_fn(compile)(mod, B, None, q_len, kv_len, device=dev)
+
+
+def make_attend(
+    kind: str,
+    *,
+    anchors: Tensor,
+    block_size: int,
+    ctx_len: int,
+    layer_types: Sequence[str],
+    sliding_window: Optional[int] = None,
+    seq_lens: Optional[Tensor] = None,
+    compile: Optional[bool] = None,
+) -> Callable[[Tensor, Tensor, Tensor, int], Tensor]:
+    """The drafter's `attend(q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_idx) -> [B,h,Q,d]` for one batch.
+
+    kind: "sdpa" (dense boolean mask; CPU training and the reference) or "flex" (BlockMask; compiled on CUDA
+    when compile is None). One mask per layer type present, shared by all layers of that type. GQA through
+    enable_gqa (no repeat of k/v).
+    """
+    if kind not in ("sdpa", "flex"):
+        raise ValueError(f"attention kind must be 'sdpa' or 'flex', got {kind!r}")
+    types = list(layer_types)
+    for t in set(types):
+        if t not in (FULL, SLIDING):
+            raise ValueError(f"unknown layer type {t!r}")
+        if t == SLIDING and not sliding_window:
+            raise ValueError("sliding_attention layers need sliding_window")
+    windows = {t: (sliding_window if t == SLIDING else None) for t in set(types)}
+
+    if kind == "sdpa":
+        masks = {t: dense_mask(anchors, block_size, ctx_len, seq_lens, w) for t, w in windows.items()}
+
+        def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor:
+            mask = masks[types[layer_idx]]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+        return attend_sdpa
+
+    compile = (anchors.device.type == "cuda") if compile is None else compile
+    masks = {t: flex_block_mask(anchors, block_size, ctx_len, seq_lens, w, compile) for t, w in windows.items()}
+    flex = _flex_fn(compile)
+
+    def attend_flex(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor:
+        Q, KV = q.shape[2], k.shape[2]
+        q_len, kv_len = padded_len(Q), padded_len(KV)
+        if q_len != Q:  # cheap when the caller already pads S and A*bs to multiples of 128
+            q = F.pad(q, (0, 0, 0, q_len - Q))
+        if kv_len != KV:
+            k = F.pad(k, (0, 0, 0, kv_len - KV))
+            v = F.pad(v, (0, 0, 0, kv_len - KV))
+        out = flex(q, k, v, block_mask=masks[types[layer_idx]], enable_gqa=k.shape[1] != q.shape[1])
+        return out[:, :, :Q]
+
+    return attend_flex
+
+
+def loud_recompiles(limit: Optional[int] = None) -> None:
+    """Make dynamo recompiles visible and hitting the recompile limit an error instead of a silent slow path."""
+    import torch._dynamo
+    import torch._logging
+
+    torch._logging.set_logs(recompiles=True)
+    cfg = torch._dynamo.config
+    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, True)
+            break
+    if limit is not None:
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, limit)
+                break

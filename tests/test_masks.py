@@ -1,0 +1,137 @@
+"""Training geometry: anchors, labels, loss weights and the attention mask against brute-force references."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from pipeline.config import gamma_for_block
+from pipeline.masks import (
+    IGNORE_INDEX,
+    build_blocks,
+    dense_mask,
+    flex_block_mask,
+    make_attend,
+    sample_anchors,
+    stack_anchors,
+)
+
+
+def brute_force_mask(anchors, block_size, ctx_len, seq_lens, window):
+    """Plain loops over (b, q, kv), written from the brief's words, independent of the predicate code."""
+    B, A = anchors.shape
+    Q = A * block_size
+    out = torch.zeros(B, 1, Q, ctx_len + Q, dtype=torch.bool)
+    for b in range(B):
+        for q in range(Q):
+            j, k = divmod(q, block_size)
+            anchor = int(anchors[b, j])
+            for kv in range(ctx_len + Q):
+                if kv < ctx_len:  # context token kv
+                    ok = anchor >= 0 and kv < anchor and kv < int(seq_lens[b])
+                    if window is not None:
+                        ok = ok and (anchor + k) - kv < window  # query position minus key position
+                else:  # block token
+                    jj, kk = divmod(kv - ctx_len, block_size)
+                    ok = jj == j and (window is None or kk <= k)
+                out[b, 0, q, kv] = ok
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_dense_mask_matches_brute_force(window):
+    anchors = torch.tensor([[0, 3, 9, -1], [2, 6, 11, 15]])  # row 0: one padded anchor; anchor 0: no context
+    seq_lens = torch.tensor([12, 17])
+    got = dense_mask(anchors, 4, 17, seq_lens, window)
+    want = brute_force_mask(anchors, 4, 17, seq_lens, window)
+    assert got.shape == (2, 1, 16, 33)
+    assert torch.equal(got, want)
+
+
+def test_mask_pins():
+    S, bs = 12, 4
+    anchors = torch.tensor([[5, 8, -1]])
+    full = dense_mask(anchors, bs, S)[0, 0]
+    sl = dense_mask(anchors, bs, S, window=3)[0, 0]
+    # strict <: block 0 (anchor 5) sees context 0..4, NOT 5 (the anchor's own features do not exist yet)
+    assert full[0, :5].all() and not full[0, 5:S].any()
+    assert full[3, :5].all() and not full[3, 5]
+    # own block only, bidirectional on full layers
+    assert full[0, S : S + bs].all() and not full[0, S + bs :].any()
+    assert full[4, S + bs : S + 2 * bs].all() and not full[4, S : S + bs].any()
+    # sliding: context window over the query position (anchor + k): slot 0 of anchor 5 sees 3,4; slot 2 sees none
+    assert sl[0, :S].nonzero().flatten().tolist() == [3, 4]
+    assert sl[1, :S].nonzero().flatten().tolist() == [4]
+    assert not sl[2, :S].any()
+    # sliding: causal inside the block
+    assert sl[1, S : S + bs].tolist() == [True, True, False, False]
+    # padding anchor: only its own block, never context, never other blocks
+    pad_rows = full[2 * bs :]
+    assert not pad_rows[:, :S].any()
+    assert pad_rows[:, S + 2 * bs :].all() and not pad_rows[:, S : S + 2 * bs].any()
+
+
+def test_sample_anchors():
+    m = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0, 1, 1], dtype=torch.bool)  # candidates: 1, 2, 5, 8 (9 is last)
+    all_a = sample_anchors(m, 100)
+    assert all_a.tolist() == [1, 2, 5, 8]
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(30):
+        a = sample_anchors(m, 2, g)
+        assert a.numel() == 2 and a.tolist() == sorted(set(a.tolist()))
+        assert set(a.tolist()) <= {1, 2, 5, 8}
+        seen.add(tuple(a.tolist()))
+    assert len(seen) > 1  # fresh draws
+    assert sample_anchors(torch.zeros(5, dtype=torch.bool), 4).numel() == 0
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert torch.equal(sample_anchors(m, 3, g1), sample_anchors(m, 3, g2))
+
+
+def test_stack_anchors_pads_with_minus_one():
+    out = stack_anchors([torch.tensor([1, 4]), torch.tensor([2])], multiple=4)
+    assert out.tolist() == [[1, 4, -1, -1], [2, -1, -1, -1]]
+
+
+def test_build_blocks_labels_and_weights():
+    bs, gamma, MASK = 4, 4.0, 99
+    tokens = torch.arange(10, 20).view(1, 10)  # token at position p is 10 + p
+    loss_mask = torch.ones(1, 10, dtype=torch.long)
+    loss_mask[0, 4] = 0  # position 4 unsupervised
+    anchors = torch.tensor([[2, 8, -1]])
+    blk = build_blocks(tokens, loss_mask, anchors, bs, MASK, gamma)
+    ids, pos, lab, w = (t.view(3, bs) for t in blk)
+    assert ids.tolist() == [[12, MASK, MASK, MASK], [18, MASK, MASK, MASK], [MASK] * 4]
+    assert pos[:2].tolist() == [[2, 3, 4, 5], [8, 9, 10, 11]]
+    # slot k predicts token anchor + k; slot 0 no loss; position 4 unsupervised; 10, 11 past the end
+    assert lab.tolist() == [[IGNORE_INDEX, 13, IGNORE_INDEX, 15], [IGNORE_INDEX, 19, IGNORE_INDEX, IGNORE_INDEX],
+                            [IGNORE_INDEX] * 4]
+    decay = [math.exp(-(k - 1) / gamma) for k in range(bs)]
+    assert torch.allclose(w[0], torch.tensor([0.0, decay[1], 0.0, decay[3]]))
+    assert w[0, 1] == 1.0  # the first predicted slot has weight exp(0) = 1
+    assert torch.allclose(w[1], torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert (w[2] == 0).all()
+    assert ((lab == IGNORE_INDEX) == (w == 0)).all()
+
+
+def test_gamma_for_block():
+    assert (gamma_for_block(16), gamma_for_block(10), gamma_for_block(8)) == (7.0, 5.0, 4.0)
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention"]])
+def test_flex_attend_matches_sdpa_forward_on_cpu(layer_types):
+    """Eager flex (forward only on CPU) with the padded BlockMask equals SDPA with the dense mask."""
+    torch.manual_seed(0)
+    anchors = torch.tensor([[0, 4, 9, -1], [3, 7, 12, 14]])
+    S, bs = 16, 4
+    kw = dict(anchors=anchors, block_size=bs, ctx_len=S, layer_types=layer_types, sliding_window=5)
+    q = torch.randn(2, 4, 16, 8)
+    k, v = torch.randn(2, 2, S + 16, 8), torch.randn(2, 2, S + 16, 8)
+    ref = make_attend("sdpa", **kw)(q, k, v, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": expected on CPU
+        got = make_attend("flex", compile=False, **kw)(q, k, v, 0)
+    assert torch.allclose(got, ref, atol=1e-5)
+    bm = flex_block_mask(anchors, bs, S, compile=False)
+    assert bm.shape[-2:] == (128, 128)
