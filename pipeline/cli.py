@@ -54,10 +54,17 @@ def _run(fn, *args, **kwargs) -> None:
     except ImportError:  # pragma: no cover
         pass
     try:
+        from stages.train_module import NonFiniteLoss
+    except ImportError:  # pragma: no cover
+        NonFiniteLoss = ()  # noqa: N806
+    try:
         code = fn(*args, **kwargs)
     except user_errors as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except NonFiniteLoss as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
     sys.exit(code or 0)
 
 
@@ -127,6 +134,18 @@ def train(config_path, overrides, gpus, devices, store, resume, no_export):
 
 
 @main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--sglang", is_flag=True, help="Leave out auto_map (SGLang rejects it).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+def export(checkpoint, out, sglang, dtype):
+    """Export a training checkpoint to the directory SGLang, vLLM and transformers load."""
+    from stages.export_stage import export_checkpoint
+
+    _run(lambda: click.echo(f"exported to {export_checkpoint(checkpoint, out, for_sglang=sglang, dtype=dtype)}") or 0)
+
+
+@main.command()
 @click.argument("store")
 def inspect(store):
     """Show a store: samples, tokens, bytes on disk and per token, compression per array, provenance, shards."""
@@ -142,6 +161,49 @@ def verify(store):
     from stages.store_tools import verify_store
 
     _run(verify_store, store)
+
+
+@main.command("eval")
+@click.argument("drafter", type=click.Path(exists=True))
+@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False),
+              help="Run config (default: the drafter's run config.yaml, else the checkpoint's, else configs/tiny.yaml).")
+@set_option
+@click.option("--store", default=None, help="Store for the offline eval (default: the store the drafter was trained on).")
+@click.option("--online", is_flag=True, help="Also decode held-out prompts with the target: tau, speedup, losslessness.")
+@click.option("--out", default=None, type=click.Path(file_okay=False),
+              help="Report directory (default: RUN/eval for a drafter inside a run, else runs/eval).")
+@click.option("--device", default=None, help="cpu or cuda[:i] (default: cuda when available).")
+@click.option("--cache", type=click.Choice(["auto", "kv", "recompute"]), default="auto", show_default=True,
+              help="Target KV-cache policy of both greedy and speculative decoding (online).")
+def eval_(drafter, config_path, overrides, store, online, out, device, cache):
+    """Measure a drafter (exported directory or training checkpoint): acceptance length tau offline from the
+    store (no target compute) and, with --online, real speculative decoding against plain greedy decoding.
+
+    Writes OUT/report.json and PNG plots. Exits 1 if speculative output ever differs from greedy.
+    """
+    from stages.evaluate import EvalError, run_eval
+
+    def call():
+        try:
+            return run_eval(drafter, config_path, list(overrides), store, online, out, device, cache)
+        except EvalError as e:
+            click.echo(f"error: {e}", err=True)
+            return 2
+
+    _run(call)
+
+
+@main.command()
+@click.option("--out", default="runs/demo", show_default=True, type=click.Path(file_okay=False),
+              help="Where the store, the run, the export and the eval report go.")
+@set_option
+@click.option("--fresh", is_flag=True, help="Delete OUT first (else finished stages are reused).")
+def demo(out, overrides, fresh):
+    """The whole pipeline on the embedded tiny target in a few minutes on CPU: ingest -> extract (2 shards) ->
+    train -> export -> offline and online eval. Prints where everything went and the tau reached."""
+    from stages.demo import run_demo
+
+    _run(run_demo, out, list(overrides), fresh, _command_line())
 
 
 if __name__ == "__main__":

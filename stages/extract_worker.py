@@ -85,6 +85,82 @@ class StopFlag:
         self.stop = True
 
 
+def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: torch.device, batches, on_batch,
+                      queue_depth: int = 3, should_stop=lambda: False) -> None:
+    """Forward each batch and hand its features to `on_batch` on a writer thread, overlapped.
+
+    batches yields (meta, input_ids [B, S] long CPU right-padded, lengths [B]). on_batch(meta, payload
+    np [T, L, H], scales np [T, L] | None, bad np.bool_ [B]) runs on the writer thread, in order, with the
+    tokens of samples whose features are not finite already removed (bad marks them). On CUDA the
+    device-to-host copy runs on a side stream into pinned memory; at most queue_depth batches are in flight.
+    """
+    cuda = device.type == "cuda"
+    q: queue.Queue = queue.Queue(maxsize=max(1, queue_depth))
+    errors: list[BaseException] = []
+
+    def write_loop():
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if errors:
+                continue
+            try:
+                meta, lens, event, payload, scales, bad = item
+                if event is not None:
+                    event.synchronize()
+                feats = to_storage(payload)
+                sc = scales.numpy() if scales is not None else None
+                bad = bad.numpy()
+                if bad.any():  # rare: drop the samples whose features are not finite
+                    keep_tok = np.repeat(~bad, np.asarray(lens))
+                    feats, sc = feats[keep_tok], (sc[keep_tok] if sc is not None else None)
+                on_batch(meta, feats, sc, bad)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the main thread
+                errors.append(e)
+
+    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True)
+    thread.start()
+    side = torch.cuda.Stream() if cuda else None
+    try:
+        for meta, ids, lens in batches:
+            if should_stop() or errors:
+                break
+            B, S = ids.shape
+            att = (torch.arange(S)[None, :] < torch.tensor(lens)[:, None]).long()
+            ids, att = ids.to(device, non_blocking=True), att.to(device, non_blocking=True)
+            feats = capture_features(model, capture, ids, att)  # [B, S, L, H]
+            flat = feats[att.bool()]  # [T, L, H], samples back to back in batch order
+            tok_ok = torch.isfinite(flat).flatten(1).all(dim=1)  # [T]
+            sample_of_tok = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(lens, device=device))
+            bad = torch.zeros(B, dtype=torch.int32, device=device).index_add_(
+                0, sample_of_tok, (~tok_ok).to(torch.int32)) > 0  # [B] sample has a NaN/Inf feature
+            payload, scales = encode(flat, encoding)
+            if cuda:
+                done = torch.cuda.Event()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    host_p = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+                    host_p.copy_(payload, non_blocking=True)
+                    host_s = None
+                    if scales is not None:
+                        host_s = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
+                        host_s.copy_(scales, non_blocking=True)
+                    host_b = bad.to("cpu", non_blocking=True)
+                    done.record(side)
+                for t in (payload, scales, bad):
+                    if t is not None:
+                        t.record_stream(side)
+                q.put((meta, lens, done, host_p, host_s, host_b))
+            else:
+                q.put((meta, lens, None, payload, scales, bad))
+    finally:
+        q.put(None)
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -> int:
     """Extract one shard; returns the process exit code (0 done, 143 stopped by a signal)."""
     from data.ingest import dataset_fingerprint, ingest
@@ -131,88 +207,36 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -
     capture = FeatureCapture(model, layer_ids)
     encoding = root_attrs["encoding"]
 
-    q: queue.Queue = queue.Queue(maxsize=max(1, cfg.extract.queue_depth))
-    errors: list[BaseException] = []
-
-    def write_loop():
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            try:
-                if errors:
-                    continue
-                members, event, payload, scales, bad = item
-                if event is not None:
-                    event.synchronize()
-                feats = to_storage(payload)
-                sc = scales.numpy() if scales is not None else None
-                bad = bad.numpy()
-                sel = [m for m, b in zip(members, bad) if not b]
-                lens = np.array([lengths[m] for m in members], dtype=np.int64)
-                if bad.any():  # rare: drop the samples whose features are not finite
-                    keep_tok = np.repeat(~bad, lens)
-                    feats, sc = feats[keep_tok], (sc[keep_tok] if sc is not None else None)
-                toks = np.concatenate([mine[m].input_ids for m in sel]) if sel else np.zeros(0, np.int32)
-                mask = np.concatenate([mine[m].loss_mask for m in sel]) if sel else np.zeros(0, np.uint8)
-                p = writer.write_batch(
-                    np.array([st.sample_id_to_int(mine[m].sample_id) for m in sel], dtype=np.uint64),
-                    np.array([st.SPLITS[mine[m].split] for m in sel], dtype=np.uint8),
-                    np.array([lengths[m] for m in sel], dtype=np.int32), toks.astype(np.int32),
-                    mask.astype(np.uint8), feats, sc, nonfinite_skipped=int(bad.sum()))
-                report(p)
-            except BaseException as e:  # noqa: BLE001 - surfaced by the main thread
-                errors.append(e)
-
-    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True)
-    thread.start()
-    side = torch.cuda.Stream() if cuda else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    try:
+
+    def batches():
         for batch in plan[prog.committed_batches:]:
-            if stop.stop or errors:
-                break
             members = batch.members
             S = max(lengths[m] for m in members)
             ids = torch.full((len(members), S), pad_id, dtype=torch.long)
-            att = torch.zeros((len(members), S), dtype=torch.long)
             for r, m in enumerate(members):
                 ids[r, : lengths[m]] = torch.from_numpy(mine[m].input_ids.astype(np.int64))
-                att[r, : lengths[m]] = 1
-            ids, att = ids.to(device, non_blocking=True), att.to(device, non_blocking=True)
-            feats = capture_features(model, capture, ids, att)  # [B, S, L, H]
-            valid = att.bool()
-            flat = feats[valid]  # [T, L, H], samples back to back in batch order
-            tok_ok = torch.isfinite(flat).flatten(1).all(dim=1)  # [T]
-            lens_t = torch.tensor([lengths[m] for m in members], device=device)
-            sample_of_tok = torch.repeat_interleave(torch.arange(len(members), device=device), lens_t)
-            bad = torch.zeros(len(members), dtype=torch.int32, device=device).index_add_(
-                0, sample_of_tok, (~tok_ok).to(torch.int32)) > 0  # [B] sample has a NaN/Inf feature
-            payload, scales = encode(flat, encoding)
-            if cuda:
-                done = torch.cuda.Event()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    host_p = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-                    host_p.copy_(payload, non_blocking=True)
-                    host_s = None
-                    if scales is not None:
-                        host_s = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
-                        host_s.copy_(scales, non_blocking=True)
-                    host_b = bad.to("cpu", non_blocking=True)
-                    done.record(side)
-                for t in (payload, scales, bad):
-                    if t is not None:
-                        t.record_stream(side)
-                q.put((members, done, host_p, host_s, host_b))
-            else:
-                q.put((members, None, payload, scales, bad))
+            yield members, ids, [lengths[m] for m in members]
+
+    def on_batch(members, feats, scales, bad):
+        sel = [m for m, b in zip(members, bad) if not b]
+        toks = np.concatenate([mine[m].input_ids for m in sel]) if sel else np.zeros(0, np.int32)
+        mask = np.concatenate([mine[m].loss_mask for m in sel]) if sel else np.zeros(0, np.uint8)
+        p = writer.write_batch(
+            np.array([st.sample_id_to_int(mine[m].sample_id) for m in sel], dtype=np.uint64),
+            np.array([st.SPLITS[mine[m].split] for m in sel], dtype=np.uint8),
+            np.array([lengths[m] for m in sel], dtype=np.int32), toks.astype(np.int32),
+            mask.astype(np.uint8), feats, scales, nonfinite_skipped=int(bad.sum()))
+        report(p)
+
+    try:
+        pipelined_extract(model, capture, encoding, device, batches(), on_batch, cfg.extract.queue_depth,
+                          lambda: stop.stop)
+    except OSError as e:  # disk full, unwritable path, lost mount: the committed part stays valid
+        raise st.StoreError(f"writing shard {shard_index} to {store_path} failed: {e}. Everything committed before "
+                            "is intact; free space or fix the path, then rerun the same command to resume") from e
     finally:
-        q.put(None)
-        thread.join()
         capture.remove()
-    if errors:
-        raise errors[0]
     if stop.stop:
         emit("stopped", shard=shard_index, samples=writer.progress.committed_samples)
         return 143

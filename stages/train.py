@@ -121,7 +121,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1)
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     run_dir.mkdir(parents=True, exist_ok=True)
-    task = DrafterTask(cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"])
+    task = DrafterTask(cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
+                       target_meta=attrs["target"], store_path=store_path)
 
     class _ResumeSampler(L.Callback):
         def on_train_start(self, trainer, pl_module):

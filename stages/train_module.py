@@ -37,7 +37,7 @@ def tau_from_slot_acc(acc: torch.Tensor) -> float:
 
 class DrafterTask(L.LightningModule):
     def __init__(self, cfg: Config, layer_ids: list[int], vocab_size: int, head_path: str, steps_per_epoch: int,
-                 encoding: str):
+                 encoding: str, target_meta: Optional[dict] = None, store_path: str = ""):
         super().__init__()
         self.cfg, self.layer_ids, self.vocab_size = cfg, list(layer_ids), vocab_size
         self.head_path, self.encoding, self.steps_per_epoch = head_path, encoding, steps_per_epoch
@@ -48,6 +48,7 @@ class DrafterTask(L.LightningModule):
         self._head: Optional[torch.Tensor] = None
         self._step_fn = None
         self.sampler_state = {"epoch": 0, "batches_done": 0}
+        self.target_meta, self.store_path = dict(target_meta or {}), store_path
 
     # -- frozen head ------------------------------------------------------------------------------------
     def _load_head(self) -> None:
@@ -64,6 +65,12 @@ class DrafterTask(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._load_head()
+        mode = self.cfg.train.compile
+        if mode == "on" or (mode == "auto" and self.device.type == "cuda"):
+            from pipeline.masks import loud_recompiles
+
+            loud_recompiles(limit=8)  # a recompile storm fails loudly instead of silently running eager
+            self._step_fn = torch.compile(self.drafter)
 
     def on_validation_start(self) -> None:
         if self._embed is None or self._embed.device != self.device:
@@ -86,7 +93,8 @@ class DrafterTask(L.LightningModule):
         block_embeds = torch.nn.functional.embedding(blocks.input_ids, self._embed)  # [B, Q, H]
         ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)
         ctx = self.drafter.project_context(feats)  # [B, S, H]
-        hidden = self.drafter(block_embeds, ctx, blocks.positions, ctx_pos, attend)  # [B, Q, H]
+        drafter = self._step_fn if self._step_fn is not None else self.drafter
+        hidden = drafter(block_embeds, ctx, blocks.positions, ctx_pos, attend)  # [B, Q, H]
         rows = hidden.reshape(-1, hidden.shape[-1])
         labels, weights = blocks.labels.reshape(-1), blocks.weights.reshape(-1)
         loss_sum, correct = chunked_weighted_ce(rows, self._head, labels, weights, self.cfg.train.loss_chunk_rows)
@@ -153,7 +161,7 @@ class DrafterTask(L.LightningModule):
         for n, p in self.drafter.named_parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=t.lr, betas=tuple(t.betas), fused=self.device.type == "cuda")
+                                lr=t.lr, betas=tuple(t.betas), foreach=True)  # not fused: Lightning clips gradients before the step
         total = self.trainer.estimated_stepping_batches
         warmup = max(1, int(total * t.warmup_ratio))
 
@@ -170,7 +178,8 @@ class DrafterTask(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["dflash"] = {"sampler": {"epoch": self.current_epoch, "batches_done": self.sampler_state["batches_done"]},
                                 "config": self.cfg.to_dict(), "layer_ids": self.layer_ids, "vocab_size": self.vocab_size,
-                                "encoding": self.encoding}
+                                "encoding": self.encoding, "target": self.target_meta, "store": self.store_path,
+                                "arch": self.arch.to_dict()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.sampler_state = dict(checkpoint.get("dflash", {}).get("sampler", self.sampler_state))

@@ -1,0 +1,542 @@
+"""`dflash eval`: does the trained drafter accelerate the target? Offline (store only) and online (real decoding).
+
+Contract:
+- DRAFTER is an exported directory (config.json + model.safetensors) or a training checkpoint (.ckpt); the
+  kind is detected. A drafter inside a run directory (RUN/export, RUN/checkpoints/x.ckpt) finds its run:
+  RUN/config.yaml is the default config and RUN/logs/metrics.csv gives the training curves.
+- Offline (no target compute): validation samples of the store (all samples, flagged, when the store has no
+  validation split). Anchors: positions a with m[a] and m[a+1] (as training), at most
+  eval.max_anchors_per_sample per sample, evenly spaced over the candidates (deterministic). Each anchor is
+  drafted as serving would: context = features of positions < a, block [token a, MASK...], greedy through
+  the frozen lm_head (`draft_blocks`). Slot k is labelled with token a+k when it exists and is supervised.
+  Acceptance length = 1 + number of leading slots whose draft equals the label (stops at the first mismatch,
+  the sequence end or an unsupervised token). Reports mean tau, per-slot accuracy (unconditional: hits /
+  labelled slots), tau implied by the per-slot accuracies (the training metric), and the histogram.
+- Online (`--online`): the target (load_target, on CUDA when present, else CPU) greedy-decodes held-out
+  prompts (the conversation up to its first assistant turn, from data.validation_files, else the validation
+  split of data.train_files) rendered with the chat template, add_generation_prompt=True and
+  data.enable_thinking; then decodes them speculatively (stages/speculate.py). Reports tau (tokens per
+  verify step), tokens per target forward, wall-clock speedup (sum of greedy times / sum of speculative
+  times, the same cache policy, interleaved per prompt after a warm-up) and the number of prompts whose
+  speculative output differs from greedy (must be 0; anything else is a bug and fails the command).
+- Writes OUT/report.json and PNG plots (acceptance histogram, per-slot accuracy, training curves).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from pipeline import store as st
+from pipeline.config import Config, ConfigError, config_from_dict, load_config, parse_override
+from pipeline.drafter import draft_blocks
+from pipeline.encoding import decode, from_storage
+
+MISMATCH_BANNER = "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
+
+
+class EvalError(RuntimeError):
+    """A problem the user can fix (wrong path, mismatched store/drafter); the message says how."""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the drafter and where it came from
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterSource:
+    path: str
+    kind: str  # "export" | "checkpoint"
+    run_dir: Optional[Path]  # the training run it belongs to, when recognisable
+    store: Optional[str]  # the store it was trained from (recorded at training time)
+    config: Optional[dict]  # the training config (checkpoints carry it)
+    encoding: Optional[str]  # the store's feature encoding (checkpoints carry it)
+
+
+def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(drafter in eval mode on device/dtype, DrafterSource). Exported directory or training checkpoint."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").exists() or not (p / "model.safetensors").exists():
+            raise EvalError(f"{p} is a directory but not an exported drafter (needs config.json and model.safetensors)")
+        from pipeline.export import load_exported
+
+        drafter, _arch, meta = load_exported(p, device=device, dtype=dtype)
+        extra = meta.get("dflash_meta") or {}
+        run_dir = p.parent if _looks_like_run(p.parent) else None
+        return drafter, DrafterSource(str(p), "export", run_dir, extra.get("store"), None, None)
+    if p.is_file():
+        from stages.export_stage import load_checkpoint_drafter
+
+        drafter, meta = load_checkpoint_drafter(str(p), device)
+        drafter = drafter.to(dtype)
+        run_dir = p.parent.parent if p.parent.name == "checkpoints" and _looks_like_run(p.parent.parent) else None
+        return drafter, DrafterSource(str(p), "checkpoint", run_dir, meta.get("store"), meta.get("config"),
+                                      meta.get("encoding"))
+    raise FileNotFoundError(f"drafter {path} does not exist: pass an exported directory (RUN/export) or a "
+                            "training checkpoint (RUN/checkpoints/last.ckpt)")
+
+
+def _looks_like_run(d: Path) -> bool:
+    return (d / "config.yaml").exists() or (d / "logs" / "metrics.csv").exists()
+
+
+def resolve_config(src: DrafterSource, config_path: Optional[str], overrides: list[str]) -> tuple[Config, str]:
+    """--config if given; else the run's config.yaml; else the checkpoint's embedded config; else tiny."""
+    if config_path:
+        return load_config(config_path, overrides), config_path
+    if src.run_dir is not None and (src.run_dir / "config.yaml").exists():
+        path = src.run_dir / "config.yaml"
+        return load_config(path, overrides), str(path)
+    if src.config is not None:
+        raw = json.loads(json.dumps(src.config))
+        for text in overrides:
+            section, name, value = parse_override(text)
+            if section not in raw:
+                raise ConfigError(f"--set {text!r}: unknown section '{section}'")
+            raw[section][name] = value
+        return config_from_dict(raw, source=f"{src.path} (embedded config)"), f"{src.path} (embedded config)"
+    return load_config(None, overrides), "configs/tiny.yaml (default)"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# offline evaluation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def select_anchors(loss_mask: Tensor, max_anchors: int) -> Tensor:
+    """Positions a with m[a] and m[a+1]; at most max_anchors, evenly spaced over them (deterministic)."""
+    m = loss_mask.bool()
+    cand = torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()
+    if cand.numel() > max_anchors:
+        idx = torch.linspace(0, cand.numel() - 1, max_anchors).round().long().unique()
+        cand = cand[idx]
+    return cand
+
+
+class AcceptanceStats:
+    """Accumulates acceptance lengths and per-slot hits over drafted blocks of size bs."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.hist = np.zeros(block_size + 1, dtype=np.int64)  # index = acceptance length (1..bs)
+        self.hits = np.zeros(block_size, dtype=np.int64)  # index k = slot k (1..bs-1)
+        self.counts = np.zeros(block_size, dtype=np.int64)
+
+    def add(self, draft: Tensor, labels: Tensor, valid: Tensor) -> Tensor:
+        """draft/labels/valid [A, bs-1] -> acceptance lengths [A] (1 + leading valid matches)."""
+        match = (draft == labels) & valid
+        acc_len = 1 + torch.cumprod(match.long(), dim=1).sum(dim=1)
+        self.hist += np.bincount(acc_len.numpy(), minlength=self.bs + 1)[: self.bs + 1]
+        self.hits[1:] += match.sum(0).numpy()
+        self.counts[1:] += valid.sum(0).numpy()
+        return acc_len
+
+    def summary(self) -> dict:
+        n = int(self.hist.sum())
+        lengths = np.arange(self.bs + 1)
+        acc = (self.hits[1:] / np.maximum(self.counts[1:], 1)).astype(float)
+        return {
+            "blocks": n,
+            "tau": float((self.hist * lengths).sum() / max(n, 1)),
+            "tau_from_slot_acc": float(1.0 + np.cumprod(np.clip(acc, 0, 1)).sum()),
+            "slot_accuracy": [round(float(a), 6) for a in acc],  # slots 1..bs-1
+            "slot_labelled": [int(c) for c in self.counts[1:]],
+            "acceptance_histogram": {str(k): int(self.hist[k]) for k in range(1, self.bs + 1)},
+        }
+
+
+DraftFn = Callable[..., Tensor]
+
+
+def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tensor, lm_head_weight: Tensor,
+                 max_anchors: int, block_size: Optional[int] = None, anchor_chunk: int = 64,
+                 draft: DraftFn = draft_blocks) -> dict:
+    """samples: dicts with tokens [S] long, loss_mask [S], features [S, L*H] float. See the module contract."""
+    bs = block_size or drafter.arch.block_size
+    stats = AcceptanceStats(bs)
+    n_samples = 0
+    k = torch.arange(1, bs)
+    for s in samples:
+        tokens, mask, feats = s["tokens"].long(), s["loss_mask"].bool(), s["features"]
+        S = tokens.numel()
+        anchors = select_anchors(mask, max_anchors)
+        if anchors.numel() == 0:
+            continue
+        n_samples += 1
+        for c in range(0, anchors.numel(), anchor_chunk):
+            a = anchors[c : c + anchor_chunk]
+            d = draft(drafter, feats, a, tokens[a], embed_weight, lm_head_weight).cpu()  # [A, bs-1]
+            pos = a[:, None] + k  # [A, bs-1]
+            inside = pos < S
+            pos_c = pos.clamp(max=S - 1)
+            stats.add(d, tokens[pos_c], inside & mask[pos_c])
+    out = stats.summary()
+    out["samples"] = n_samples
+    return out
+
+
+def store_samples(reader: st.StoreReader, indices: list[int], device: torch.device, dtype: torch.dtype):
+    for i in indices:
+        s = reader.read(i)
+        payload = from_storage(s["features"]).to(device)
+        scales = torch.from_numpy(s["scales"]).to(device) if "scales" in s else None
+        feats = decode(payload, scales, reader.encoding, dtype).flatten(1)  # [S, L*H]
+        yield {"tokens": torch.from_numpy(s["tokens"].astype(np.int64)),
+               "loss_mask": torch.from_numpy(s["loss_mask"].astype(np.bool_)), "features": feats}
+
+
+def load_store_head(store_path: str, device, dtype) -> tuple[Tensor, Tensor]:
+    from safetensors.torch import load
+
+    head_path = st.frozen_head_path(store_path)
+    if not st.exists(head_path):
+        raise EvalError(f"{head_path} is missing: the store is incomplete; resume `dflash extract`")
+    t = load(st.read_bytes(head_path))
+    embed = t["embed_tokens.weight"].to(device, dtype)
+    head = t["lm_head.weight"].to(device, dtype) if "lm_head.weight" in t else embed  # tied: the embedding
+    return embed, head
+
+
+def run_offline(drafter: nn.Module, store_path: str, max_anchors: int, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> dict:
+    reader = st.StoreReader(store_path)
+    arch = drafter.arch
+    drafter = drafter.to(device=device, dtype=dtype)
+    if list(reader.layer_ids) != list(arch.target_layer_ids):
+        raise EvalError(f"the drafter conditions on target layers {arch.target_layer_ids} but the store at "
+                        f"{store_path} holds layers {reader.layer_ids}; evaluate it on the store it was trained on "
+                        "(--store PATH)")
+    if reader.hidden_size != arch.hidden_size:
+        raise EvalError(f"the store's hidden size {reader.hidden_size} differs from the drafter's {arch.hidden_size}")
+    split = "validation"
+    indices = reader.indices("validation")
+    if not indices:
+        split, indices = "all (the store has no validation split: optimistic)", list(range(len(reader.samples)))
+        log(f"eval: WARNING: {store_path} has no validation samples; evaluating on training samples")
+    embed, head = load_store_head(store_path, device, dtype)
+    t0 = time.perf_counter()
+    out = offline_eval(drafter, store_samples(reader, indices, device, dtype), embed, head, max_anchors)
+    out.update({"store": store_path, "split": split, "encoding": reader.encoding,
+                "max_anchors_per_sample": max_anchors, "seconds": round(time.perf_counter() - t0, 2)})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# online evaluation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def heldout_prompts(cfg: Config, n: int) -> list[tuple[str, list[dict]]]:
+    """(sample_id, messages before the first assistant turn) of up to n validation conversations, by sample id."""
+    from data.ingest import is_validation, read_conversations, sample_id_of
+
+    if cfg.data.validation_files:
+        sources, keep = cfg.data.validation_files, (lambda sid: True)
+        split = "validation"
+    else:
+        sources = cfg.data.train_files
+        keep = lambda sid: is_validation(sid, cfg.data.validation_fraction)  # noqa: E731
+        split = "train"
+    found: dict[str, list[dict]] = {}
+    for path in sources:
+        for _src, _line, messages in read_conversations(path, "skip", split=split):
+            sid = sample_id_of(messages)
+            if not keep(sid):
+                continue
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompt = messages[:first]
+            if prompt:
+                found.setdefault(sid, prompt)
+    seen, out = set(), []
+    for sid in sorted(found):
+        key = json.dumps(found[sid], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append((sid, found[sid]))
+        if len(out) >= n:
+            break
+    if not out:
+        raise EvalError("no held-out prompts: set data.validation_files (or data.validation_fraction > 0) in the config")
+    return out
+
+
+def stop_token_ids(tokenizer, model) -> set[int]:
+    ids: set[int] = set()
+    for v in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    vocab = tokenizer.get_vocab()
+    for name in ("<|end|>", "<|im_end|>", "<|endoftext|>"):
+        if name in vocab:
+            ids.add(int(vocab[name]))
+    return ids
+
+
+def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: str, num_prompts: int,
+               max_new_tokens: int, cache: str = "auto", store_attrs: Optional[dict] = None) -> dict:
+    from pipeline.target import DTYPES, load_target, load_tokenizer
+    from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
+
+    arch = drafter.arch
+    dtype = DTYPES[cfg.target.dtype if device.type == "cuda" else cfg.target.cpu_dtype]
+    if store_attrs:
+        think = (store_attrs.get("tokenizer") or {}).get("enable_thinking")
+        if think is not None and think != cfg.data.enable_thinking:
+            log(f"eval: WARNING: the store was extracted with enable_thinking={think} but data.enable_thinking="
+                f"{cfg.data.enable_thinking}; the drafter is being served a different template than it learned")
+    tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
+    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if max(arch.target_layer_ids) >= n_layers:
+        raise EvalError(f"the drafter uses target layers {arch.target_layer_ids} but {cfg.target.path} has {n_layers}")
+    drafter = drafter.to(device=device, dtype=dtype)
+    embed = model.get_input_embeddings().weight.detach()
+    out_emb = model.get_output_embeddings()
+    head = out_emb.weight.detach() if out_emb is not None else embed
+    draft_fn = dflash_draft_fn(drafter, embed, head)
+    stops = stop_token_ids(tokenizer, model)
+    prompts = heldout_prompts(cfg, num_prompts)
+    runner = TargetRunner(model, cache)
+
+    def render(messages):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=cfg.data.enable_thinking)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    encoded = [(sid, render(m)) for sid, m in prompts]
+    spec_kw = dict(layer_ids=arch.target_layer_ids, block_size=arch.block_size, stop_ids=stops,
+                   feature_encoding=encoding, feature_dtype=dtype)
+    # warm-up (untimed): first calls allocate and initialise kernels
+    greedy_decode(runner, encoded[0][1], min(8, max_new_tokens), stops)
+    speculative_decode(runner, draft_fn, encoded[0][1], max_new_tokens=min(8, max_new_tokens), **spec_kw)
+    g_time = s_time = 0.0
+    g_fwd = s_fwd = new_tokens = 0
+    steps: list[int] = []
+    mismatches = []
+    per_prompt = []
+    for i, (sid, ids) in enumerate(encoded):
+        g = greedy_decode(runner, ids, max_new_tokens, stops)
+        s = speculative_decode(runner, draft_fn, ids, max_new_tokens=max_new_tokens, **spec_kw)
+        g_time += g.seconds
+        s_time += s.seconds
+        g_fwd += g.forwards
+        s_fwd += s.forwards
+        new_tokens += len(g.tokens)
+        steps += s.steps
+        same = g.tokens == s.tokens
+        if not same:
+            first = next((j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b),
+                         min(len(g.tokens), len(s.tokens)))
+            mismatches.append({"sample_id": sid, "first_difference": first, "greedy": g.tokens, "speculative": s.tokens})
+        per_prompt.append({"sample_id": sid, "prompt_tokens": len(ids), "new_tokens": len(g.tokens),
+                           "verify_steps": len(s.steps), "tau": round(sum(s.steps) / max(len(s.steps), 1), 4),
+                           "identical": same})
+    hist = np.bincount(np.asarray(steps, dtype=np.int64), minlength=arch.block_size + 1)[: arch.block_size + 1]
+    result = {
+        "target": cfg.target.path,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "cache": runner.policy,
+        "prompts": len(encoded),
+        "max_new_tokens": max_new_tokens,
+        "enable_thinking": cfg.data.enable_thinking,
+        "new_tokens": new_tokens,
+        "verify_steps": len(steps),
+        "tau": float(sum(steps) / max(len(steps), 1)),
+        "tokens_per_target_forward": float(new_tokens / max(s_fwd, 1)),
+        "greedy_target_forwards": g_fwd,
+        "speculative_target_forwards": s_fwd,
+        "greedy_seconds": round(g_time, 4),
+        "speculative_seconds": round(s_time, 4),
+        "greedy_tokens_per_second": round(new_tokens / max(g_time, 1e-9), 2),
+        "speculative_tokens_per_second": round(new_tokens / max(s_time, 1e-9), 2),
+        "speedup": float(g_time / max(s_time, 1e-9)),
+        "acceptance_histogram": {str(k): int(hist[k]) for k in range(1, arch.block_size + 1)},
+        "mismatches": len(mismatches),
+        "lossless": not mismatches,
+        "mismatch_details": mismatches[:5],
+        "per_prompt": per_prompt,
+    }
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training curves, plots, report
+# ----------------------------------------------------------------------------------------------------------
+
+
+def read_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    path = run_dir / "logs" / "metrics.csv"
+    series: dict[str, list[tuple[int, float]]] = {}
+    if not path.exists():
+        return series
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in (None, ""):
+                    continue
+                try:
+                    series.setdefault(key, []).append((step, float(value)))
+                except ValueError:
+                    continue
+    return series
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plots(report: dict, out: Path, metrics: dict) -> list[str]:
+    plt = _plt()
+    files = []
+    off, on = report.get("offline"), report.get("online")
+    bs = report["drafter"]["block_size"]
+    ks = np.arange(1, bs + 1)
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    width = 0.4 if off and on else 0.8
+    for j, (name, res) in enumerate((("offline", off), ("online", on))):
+        if not res:
+            continue
+        h = np.array([res["acceptance_histogram"].get(str(k), 0) for k in ks], dtype=float)
+        shift = (j - 0.5) * width if off and on else 0.0
+        ax.bar(ks + shift, h / max(h.sum(), 1), width=width, label=f"{name} (tau {res['tau']:.2f})")
+    ax.set_xlabel("acceptance length (accepted drafts + 1)")
+    ax.set_ylabel("fraction of blocks")
+    ax.set_xticks(ks)
+    ax.set_title("acceptance-length distribution")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_histogram.png", dpi=110)
+    plt.close(fig)
+    files.append("acceptance_histogram.png")
+
+    if off:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        slots = np.arange(1, bs)
+        ax.plot(slots, off["slot_accuracy"], "o-", label="offline eval (greedy)")
+        val = [v for k, v in sorted(((int(k.rsplit("slot", 1)[1]), v[-1][1]) for k, v in metrics.items()
+                                     if k.startswith("val/acc_slot")))]
+        if len(val) == bs - 1:
+            ax.plot(slots, val, "s--", alpha=0.7, label="training validation (last)")
+        ax.set_ylim(0, 1.02)
+        ax.set_xticks(slots)
+        ax.set_xlabel("block slot k (predicts token anchor+k)")
+        ax.set_ylabel("accuracy")
+        ax.set_title("per-slot accuracy")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "slot_accuracy.png", dpi=110)
+        plt.close(fig)
+        files.append("slot_accuracy.png")
+
+    if metrics:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+        for key, ax in (("train/loss", a1), ("val/loss", a1), ("train/tau", a2), ("val/tau", a2)):
+            if key in metrics:
+                s, v = zip(*metrics[key])
+                ax.plot(s, v, "-" if key.startswith("train") else "o-", label=key)
+        for ax, t in ((a1, "loss"), (a2, "tau (from per-slot accuracy)")):
+            ax.set_xlabel("step")
+            ax.set_title(t)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "training_curves.png", dpi=110)
+        plt.close(fig)
+        files.append("training_curves.png")
+    return files
+
+
+def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:
+    if store:
+        return store
+    if src.store and st.exists(src.store):
+        return src.store
+    return cfg.store.path
+
+
+def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: list[str] | tuple = (),
+             store: Optional[str] = None, online: bool = False, out: Optional[str] = None,
+             device: Optional[str] = None, cache: str = "auto") -> int:
+    overrides = list(overrides)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    drafter, src = load_drafter(drafter_path, "cpu", torch.float32)
+    cfg, cfg_source = resolve_config(src, config_path, overrides)
+    arch = drafter.arch
+    out_dir = Path(out) if out else ((src.run_dir / "eval") if src.run_dir else Path("runs/eval"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "drafter": {"path": str(drafter_path), "kind": src.kind, "block_size": arch.block_size,
+                    "target_layer_ids": arch.target_layer_ids, "mask_token_id": arch.mask_token_id,
+                    "parameters": sum(p.numel() for p in drafter.parameters())},
+        "config": cfg_source,
+        "run_dir": str(src.run_dir) if src.run_dir else None,
+    }
+    store_path = _choose_store(store, src, cfg)
+    store_attrs = st.read_root_attrs(store_path)
+    encoding = (store_attrs or {}).get("encoding") or src.encoding or cfg.store.encoding
+    if store_attrs is not None:
+        log(f"eval: offline on {store_path} (drafter: {src.kind} {drafter_path})")
+        report["offline"] = run_offline(drafter, store_path, cfg.eval.max_anchors_per_sample, dev)
+        o = report["offline"]
+        log(f"eval: offline tau {o['tau']:.3f} over {o['blocks']} blocks of {o['samples']} samples "
+            f"(tau from per-slot accuracy {o['tau_from_slot_acc']:.3f}); slot accuracy "
+            + " ".join(f"{a:.2f}" for a in o["slot_accuracy"]))
+    elif not online:
+        raise EvalError(f"no store at {store_path} for the offline eval; pass --store PATH (or --online to decode "
+                        "with the target instead)")
+    else:
+        log(f"eval: no store at {store_path}; skipping the offline eval")
+    code = 0
+    if online:
+        log(f"eval: online on {cfg.target.path} ({dev}), {cfg.eval.num_prompts} prompts x "
+            f"{cfg.eval.max_new_tokens} new tokens")
+        report["online"] = r = run_online(drafter, cfg, dev, encoding, cfg.eval.num_prompts, cfg.eval.max_new_tokens,
+                                          cache, store_attrs)
+        log(f"eval: online tau {r['tau']:.3f} tokens/verify step, {r['tokens_per_target_forward']:.3f} tokens/target "
+            f"forward, speedup {r['speedup']:.2f}x over greedy ({r['greedy_tokens_per_second']:.1f} -> "
+            f"{r['speculative_tokens_per_second']:.1f} tok/s, cache={r['cache']}, {r['prompts']} prompts, "
+            f"{r['new_tokens']} tokens)")
+        if r["mismatches"]:
+            code = 1
+            log(f"{MISMATCH_BANNER}\neval: BUG: speculative output differs from plain greedy decoding on "
+                f"{r['mismatches']} of {r['prompts']} prompts (speculative decoding must be lossless); "
+                f"first: {r['mismatch_details'][0]['sample_id']} at token {r['mismatch_details'][0]['first_difference']}"
+                f"\n{MISMATCH_BANNER}")
+        else:
+            log(f"eval: lossless: speculative output equals greedy token for token on all {r['prompts']} prompts")
+        if "offline" in report:
+            rel = r["tau"] / report["offline"]["tau"] - 1.0
+            report["online_vs_offline_tau"] = round(rel, 4)
+            log(f"eval: online tau is {rel:+.1%} relative to offline")
+    metrics = read_metrics(src.run_dir) if src.run_dir else {}
+    if metrics:
+        report["training"] = {k: v[-1][1] for k, v in metrics.items() if k.startswith("val/")}
+        report["training"]["steps"] = max(s for v in metrics.values() for s, _ in v)
+    report["plots"] = write_plots(report, out_dir, metrics)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"eval: report {out_dir / 'report.json'}; plots " + ", ".join(str(out_dir / p) for p in report["plots"]))
+    return code

@@ -1,0 +1,234 @@
+"""Speculative decoding with a DFlash drafter on a transformers target, and the plain greedy baseline.
+
+Contract (used by `dflash eval --online` and the tests):
+- Both decoders run the same target through the same `TargetRunner`, with the same cache policy:
+  "kv" (a transformers DynamicCache; rejected draft tokens are rolled back with `crop`) or "recompute"
+  (no cache: every forward reruns the whole sequence). "auto" picks "kv" when every cache layer is a plain
+  full-attention DynamicLayer that can be cropped, else "recompute" (sliding-window or linear-attention
+  layers cannot roll back). The result says which policy ran.
+- Greedy: prefill -> argmax -> one target forward per new token; stops after a stop token or max_new_tokens.
+- Speculative: prefill -> first token. Each step: the drafter proposes bs-1 tokens after the last verified
+  token `last` (at position p) from the target features of the verified positions < p (layers layer_ids,
+  captured by hooks on the same forwards that verify, exactly as extraction captures them, rounded through
+  the store's feature encoding so the drafter sees what it was trained on). The target verifies
+  [last, d1..d_{bs-1}] in ONE forward; the longest prefix of drafts equal to the target's argmax is
+  accepted plus the target's own next token (the bonus); the cache is cropped back to the verified tokens.
+  Output is truncated after a stop token or at max_new_tokens exactly like greedy.
+- Greedy speculative decoding is lossless: `speculative_decode(...).tokens == greedy_decode(...).tokens`.
+  The evaluation counts any difference as a bug.
+- `draft_fn(context [p, L*H], p, last_id) -> list[int]` is pluggable (its `reset()`, if any, is called at the
+  start of each sequence); `dflash_draft_fn` is the DFlash drafter (`draft_blocks`' math with the projected
+  context cached across steps), tests plug in oracles.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.encoding import decode, encode
+from pipeline.target import FeatureCapture
+
+DraftFn = Callable[[Tensor, int, int], list]
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated tokens (prompt excluded)
+    forwards: int  # target forwards, prefill included
+    seconds: float
+    steps: list[int] = field(default_factory=list)  # speculative: tokens produced per verify step
+    cache: str = "kv"
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class TargetRunner:
+    """One sequence through the target: extend it by some tokens, read their logits/features, roll back."""
+
+    def __init__(self, model: nn.Module, cache: str = "auto"):
+        if cache not in ("auto", "kv", "recompute"):
+            raise ValueError(f"cache policy must be auto, kv or recompute, got {cache!r}")
+        self.model, self.requested = model, cache
+        self.device = next(model.parameters()).device
+        self._kw = _cache_kwarg(model)
+        self.policy = "recompute" if cache == "recompute" else "kv"
+        self._cache = None
+        self._seq: Optional[Tensor] = None
+
+    def reset(self) -> None:
+        self._cache, self._seq = None, None
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    @property
+    def length(self) -> int:
+        if self.policy == "kv":
+            return 0 if self._cache is None else int(self._cache.get_seq_length())
+        return 0 if self._seq is None else int(self._seq.shape[1])
+
+    def extend(self, ids: list[int] | Tensor) -> Tensor:
+        """Append tokens; returns their logits [T, V] (fp32). Hooks registered on the model see the forward."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
+        T = ids.shape[1]
+        if self.policy == "kv":
+            first = self._cache is None
+            if first:
+                self._cache = self._new_cache()
+            out = self.model(input_ids=ids, use_cache=True, **{self._kw: self._cache})
+            if first and self.requested == "auto" and not _croppable(self._cache):
+                self.policy = "recompute"  # e.g. sliding-window / linear-attention layers: cannot roll back
+                self._cache = None
+                self._seq = ids
+            return out.logits[0, -T:].float()
+        self._seq = ids if self._seq is None else torch.cat([self._seq, ids], dim=1)
+        out = self.model(input_ids=self._seq, use_cache=False)
+        return out.logits[0, -T:].float()
+
+    def rollback(self, keep: int) -> None:
+        """Keep only the first `keep` tokens of the sequence."""
+        if self.policy == "kv":
+            drop = self.length - keep
+            if drop > 0:
+                self._cache.crop(-drop)  # negative: remove that many tokens (transformers >= 4.4x and 5.x)
+            if self.length != keep:
+                raise RuntimeError(f"cache crop left {self.length} tokens, expected {keep}")
+        elif self._seq is not None:
+            self._seq = self._seq[:, :keep]
+
+
+def _croppable(cache) -> bool:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return True  # legacy DynamicCache: plain key/value lists
+    return all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def greedy_decode(runner: TargetRunner, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> DecodeResult:
+    runner.reset()
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    out = [int(runner.extend(prompt)[-1].argmax())]
+    forwards = 1
+    while out[-1] not in stop_ids and len(out) < max_new_tokens:
+        out.append(int(runner.extend([out[-1]])[-1].argmax()))
+        forwards += 1
+    _sync(runner.device)
+    return DecodeResult(out, forwards, time.perf_counter() - t0, cache=runner.policy)
+
+
+@torch.inference_mode()
+def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int], layer_ids: list[int],
+                       block_size: int, max_new_tokens: int, stop_ids: set[int],
+                       feature_encoding: Optional[str] = "bf16", feature_dtype: torch.dtype = torch.float32) -> DecodeResult:
+    runner.reset()
+    if hasattr(draft_fn, "reset"):
+        draft_fn.reset()
+    capture = FeatureCapture(runner.model, layer_ids)
+    try:
+        _sync(runner.device)
+        t0 = time.perf_counter()
+
+        def features(n: int) -> Tensor:  # features of the last n tokens of the latest forward, [n, L*H]
+            x = capture.pop()[0, -n:]  # [n, L, H]
+            if feature_encoding:
+                payload, scales = encode(x, feature_encoding)
+                x = decode(payload, scales, feature_encoding, feature_dtype)
+            return x.to(feature_dtype).flatten(1)
+
+        P = len(prompt)
+        logits = runner.extend(prompt)
+        ctx = [features(P)]
+        out = [int(logits[-1].argmax())]
+        forwards, steps = 1, []
+        while out[-1] not in stop_ids and len(out) < max_new_tokens:
+            pos = P + len(out) - 1  # position of the last verified token; its features do not exist yet
+            context = torch.cat(ctx) if len(ctx) > 1 else ctx[0]
+            ctx = [context]
+            draft = [int(t) for t in draft_fn(context, pos, out[-1])][: block_size - 1]
+            logits = runner.extend([out[-1]] + draft)  # [1 + len(draft), V]: ONE verify forward
+            forwards += 1
+            greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after [..., last, d1..di]
+            n = 0
+            while n < len(draft) and draft[n] == greedy[n]:
+                n += 1
+            produced = []
+            for t in draft[:n] + [greedy[n]]:
+                produced.append(t)
+                if t in stop_ids or len(out) + len(produced) >= max_new_tokens:
+                    break
+            feats = features(len(draft) + 1)
+            ctx.append(feats[: n + 1])  # last, d1..dn are verified tokens now
+            runner.rollback(pos + n + 1)
+            out += produced
+            steps.append(len(produced))
+        _sync(runner.device)
+        return DecodeResult(out, forwards, time.perf_counter() - t0, steps, cache=runner.policy)
+    finally:
+        capture.remove()
+
+
+class DFlashDraftFn:
+    """The DFlash drafter as a draft_fn: block [last, MASK...] at positions p.., context = features of positions < p.
+
+    Same math as `pipeline.drafter.draft_blocks` with one anchor at the end of the context (tested equal), but
+    the projected context hidden_norm(fc(features)) is per position, so it is cached and only the verified
+    tokens' new rows are projected each step (for a 27B target, re-projecting 5x5120 features of thousands
+    of positions every step would cost as much as the verify forward). `reset()` starts a new sequence.
+    """
+
+    def __init__(self, drafter: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor):
+        self.drafter, self.embed, self.head = drafter, embed_weight, lm_head_weight
+        self.arch = drafter.arch
+        self.dtype = next(drafter.parameters()).dtype
+        self.ctx: Optional[Tensor] = None  # [1, n, H]
+
+    def reset(self) -> None:
+        self.ctx = None
+
+    @torch.no_grad()
+    def __call__(self, context: Tensor, pos: int, last_id: int) -> list:
+        from pipeline.masks import make_attend
+
+        arch, bs, dev = self.arch, self.arch.block_size, context.device
+        have = 0 if self.ctx is None else self.ctx.shape[1]
+        if context.shape[0] != pos or pos < have:
+            raise ValueError(f"draft context must hold exactly the {pos} positions before the block "
+                             f"(got {context.shape[0]}; {have} already projected)")
+        if pos > have:
+            new = self.drafter.project_context(context[have:pos].to(self.dtype).unsqueeze(0))  # [1, n, H]
+            self.ctx = new if self.ctx is None else torch.cat([self.ctx, new], dim=1)
+        ids = torch.full((1, bs), arch.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = last_id
+        block_embeds = F.embedding(ids, self.embed).to(self.dtype)  # [1, bs, H]
+        q_pos = pos + torch.arange(bs, device=dev).view(1, bs)
+        ctx_pos = torch.arange(pos, device=dev).view(1, pos)
+        attend = make_attend("sdpa", anchors=torch.tensor([[pos]], device=dev), block_size=bs, ctx_len=pos,
+                             layer_types=arch.layer_types, sliding_window=arch.sliding_window)
+        h = self.drafter(block_embeds, self.ctx, q_pos, ctx_pos, attend)[0, 1:]  # [bs-1, H]
+        return (h.to(self.head.dtype) @ self.head.t()).argmax(-1).tolist()
+
+
+def dflash_draft_fn(drafter: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor) -> DFlashDraftFn:
+    return DFlashDraftFn(drafter, embed_weight, lm_head_weight)

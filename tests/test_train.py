@@ -1,0 +1,144 @@
+"""Stage two on CPU: 2-process gloo DDP from the store alone (target absent), loss falls and tau > 1, kill and
+resume, refusals, non-finite loss, and export equal to the trained module. Runs as subprocesses so that
+Lightning's per-rank re-execution never re-runs pytest."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+EXTRACT = ["--set", "data.max_samples=240", "--set", "extract.token_budget=4096"]
+
+
+def dflash(*args, timeout=600, check=True, cwd=ROOT):
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    if check and r.returncode != 0:
+        raise AssertionError(f"dflash {' '.join(args)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("train") / "store.zarr")
+    dflash("extract", "--config", TINY, "--shards", "2", "--store", store, *EXTRACT)
+    return store
+
+
+def _train_args(store, run_dir, *extra):
+    # the target path points nowhere: training must need nothing but the store
+    return ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run_dir}",
+            "--set", "target.path=/nonexistent/target-checkpoint", "--set", "train.num_workers=1", *extra]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    with open(run_dir / "logs" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_learns_without_target(tiny_store, tmp_path):
+    run = tmp_path / "run"
+    r = dflash(*_train_args(tiny_store, run, "--devices", "2", "--set", "train.epochs=3",
+                            "--set", "train.val_every=10", "--set", "train.log_every=2"))
+    summary = json.loads((run / "summary.json").read_text())
+    rows = _metrics(run)
+    losses = [float(x["train/loss"]) for x in rows if x.get("train/loss")]
+    assert len(losses) >= 4 and sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2, losses
+    assert summary["val"]["val/tau"] > 1.2, summary
+    assert (run / "export" / "model.safetensors").exists() and (run / "checkpoints" / "last.ckpt").exists()
+    assert "train:" in r.stderr
+
+
+def test_export_matches_trained_module(tiny_store, tmp_path):
+    from pipeline.export import load_exported
+    from pipeline.masks import make_attend
+    from stages.export_stage import export_checkpoint, load_checkpoint_drafter
+
+    run = tmp_path / "run"
+    dflash(*_train_args(tiny_store, run, "--set", "train.max_steps=3", "--no-export"))
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    out = export_checkpoint(ckpt, str(tmp_path / "export"), dtype="float32")
+    trained, _ = load_checkpoint_drafter(ckpt)
+    exported, arch, meta = load_exported(out)
+    assert meta["dflash_config"]["target_layer_ids"] == [1, 3, 5] and "partial_rotary_factor" not in meta
+    torch.manual_seed(0)
+    S, A, bs, H = 40, 3, arch.block_size, arch.hidden_size
+    feats = torch.randn(1, S, 3 * H)
+    anchors = torch.tensor([[5, 17, 30]])
+    q_pos = (anchors[..., None] + torch.arange(bs)).view(1, A * bs)
+    emb = torch.randn(1, A * bs, H)
+    attend = make_attend("sdpa", anchors=anchors, block_size=bs, ctx_len=S, layer_types=arch.layer_types,
+                         sliding_window=arch.sliding_window)
+    ctx_pos = torch.arange(S)[None]
+    with torch.no_grad():
+        a = trained(emb, trained.project_context(feats), q_pos, ctx_pos, attend)
+        b = exported(emb, exported.project_context(feats), q_pos, ctx_pos, attend)
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "pipeline.cli", *_train_args(tiny_store, run, "--set", "train.checkpoint_every=5",
+                                                               "--set", "train.epochs=2", "--no-export")]
+    p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ckpts = run / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if any(f.name.startswith("step") and int(f.stem[4:] or 0) >= 10 for f in ckpts.glob("step*.ckpt")):
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    before = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=False)
+    step0 = before["global_step"]
+    assert step0 >= 10
+    r = dflash(*_train_args(tiny_store, run, "--set", "train.checkpoint_every=5", "--set", "train.epochs=2",
+                            "--no-export"), "--resume")
+    after = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=False)
+    total = json.loads((run / "summary.json").read_text())["global_step"]
+    # a fresh run of the same length, for the step count the resumed run must reach exactly
+    ref = tmp_path / "ref"
+    dflash(*_train_args(tiny_store, ref, "--set", "train.epochs=2", "--no-export"))
+    assert total == json.loads((ref / "summary.json").read_text())["global_step"] > step0
+    assert after["global_step"] == total
+    assert after["dflash"]["sampler"]["epoch"] == 1
+    assert "lr_schedulers" in after and after["lr_schedulers"][0]["last_epoch"] == total
+    assert r.returncode == 0
+
+
+def test_refusals(tiny_store, tmp_path):
+    run = tmp_path / "run"
+    r = dflash(*_train_args(tiny_store, run, "--set", "drafter.hidden_size=64"), check=False)
+    assert r.returncode == 2 and "hidden size" in r.stderr
+    r = dflash(*_train_args(tiny_store, run, "--set", "target.layer_ids=[1,2,3]"), check=False)
+    assert r.returncode == 2 and "layer ids" in r.stderr
+    r = dflash(*_train_args(tiny_store, run, "--set", "target.name=some-other-model"), check=False)
+    assert r.returncode == 2 and "target" in r.stderr and "some-other-model" in r.stderr
+    r = dflash(*_train_args(tiny_store, run, "--set", "drafter.mask_token_id=99999"), check=False)
+    assert r.returncode == 2 and "vocab" in r.stderr
+    r = dflash(*_train_args(tiny_store, run), "--resume", check=False)
+    assert r.returncode == 2 and "no checkpoint" in r.stderr
+    r = dflash(*_train_args(str(tmp_path / "missing.zarr"), run), check=False)
+    assert r.returncode == 2 and "dflash extract" in r.stderr
+
+
+def test_nonfinite_loss_stops_with_step_and_hint(tiny_store, tmp_path):
+    run = tmp_path / "run"
+    r = dflash(*_train_args(tiny_store, run, "--set", "train.lr=1.0e+30", "--set", "train.warmup_ratio=0.0",
+                            "--set", "train.grad_clip=0.0", "--no-export"), check=False)
+    assert r.returncode != 0
+    assert "non-finite loss at step" in r.stderr and "--resume" in r.stderr
