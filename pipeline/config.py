@@ -161,6 +161,11 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         (item,) = typing.get_args(tp)
         return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
         return float(value)

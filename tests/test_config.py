@@ -1,0 +1,69 @@
+"""Configs: every shipped YAML loads; unknown keys, wrong types and bad values are rejected naming key and file;
+--set overrides are validated the same way; the layer-id rule."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, build_target_layer_ids, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.drafter.block_size >= 2 and cfg.train.lr > 0
+
+
+def test_27b_configs_hold_the_recipe():
+    for name in ("qwen3.6-27b.yaml", "qwen3.5-27b.yaml"):
+        c = load_config(Path(CONFIGS[0]).parent / name)
+        assert c.target.layer_ids == [1, 16, 31, 46, 61] == build_target_layer_ids(64, 5)
+        d, t = c.drafter, c.train
+        assert (d.mask_token_id, d.block_size, d.num_hidden_layers, d.hidden_size) == (248070, 16, 5, 5120)
+        assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.intermediate_size) == (32, 8, 128, 17408)
+        assert d.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and d.sliding_window == 2048
+        assert (t.lr, t.warmup_ratio, t.epochs, t.grad_clip, t.num_anchors, t.gamma) == (6e-4, 0.04, 6, 1.0, 512, 7.0)
+        assert c.data.max_length == 3072
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    p = _write(tmp_path, "train:\n  lr: 1.0e-3\n  learning_rate: 3\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml.*train\.learning_rate"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="unknown section 'trian'"):
+        load_config(_write(tmp_path, "trian: {}\n"))
+
+
+def test_wrong_types_and_values(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.epochs: expected an integer"):
+        load_config(_write(tmp_path, "train: {epochs: six}\n"))
+    with pytest.raises(ConfigError, match=r"store\.encoding = 'int3'"):
+        load_config(_write(tmp_path, "store: {encoding: int3}\n"))
+    with pytest.raises(ConfigError, match="layer_types has 1 entries"):
+        load_config(_write(tmp_path, "drafter: {num_hidden_layers: 2, layer_types: [full_attention]}\n"))
+
+
+def test_overrides_are_validated(tmp_path):
+    p = _write(tmp_path, "train: {lr: 1.0e-3}\n")
+    assert load_config(p, ["train.lr=3e-4"]).train.lr == 3e-4
+    assert load_config(p, ["target.layer_ids=[1,2,3]"]).target.layer_ids == [1, 2, 3]
+    with pytest.raises(ConfigError, match=r"train\.nope"):
+        load_config(p, ["train.nope=1"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(p, ["lr=3"])
+    with pytest.raises(ConfigError, match="expected a number"):
+        load_config(p, ["train.lr=fast"])
+
+
+def test_layer_id_rule():
+    assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert build_target_layer_ids(8, 3) == [1, 3, 5]
+    assert build_target_layer_ids(36, 1) == [18]
