@@ -112,6 +112,7 @@ def test_compiled_drafter_forward_backward_under_autocast():
     d = DFlashDrafter(make_arch(["sliding_attention", "full_attention"])).cuda()
     embed = torch.randn(V, H, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(d)
+    probe = torch.randn(2, 24 * BS, H, device="cuda")  # (the final norm makes sum(out^2) constant: no gradient)
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     for seed in range(3):
@@ -119,13 +120,13 @@ def test_compiled_drafter_forward_backward_under_autocast():
         d.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = forward(compiled, d.arch, batch, embed, "flex")
-        out.float().square().mean().backward()
+        (out.float() * probe).sum().backward()
         g_c = {n: p.grad.detach().clone() for n, p in d.named_parameters()}
         if seed == 0:
             d.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 ref = forward(d, d.arch, batch, embed, "sdpa")
-            ref.float().square().mean().backward()
+            (ref.float() * probe).sum().backward()
             assert rel_err(out, ref) < 2e-2
             for n, p in d.named_parameters():
                 assert rel_err(g_c[n], p.grad) < 5e-2, n
