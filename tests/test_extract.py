@@ -244,7 +244,7 @@ def test_nonfinite_samples_are_skipped_and_counted(tmp_path, monkeypatch):
     real = w.capture_features
 
     def poisoned(model, capture, ids, att):
-        out = real(model, capture, ids, att)
+        out = real(model, capture, ids, att).clone()
         out[0, 1, 0, 0] = float("nan")  # first sample of every batch
         return out
 
