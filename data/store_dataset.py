@@ -66,6 +66,16 @@ class StoreDataset(torch.utils.data.Dataset):
         return item
 
 
+class _EpochCounter:
+    """Lightning calls `set_epoch` on `loader.batch_sampler.sampler`, not on the batch sampler: this is that."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
 class RankBatchSampler(torch.utils.data.Sampler):
     """Shuffled, length-grouped batches of (sample_position, epoch), the same count on every rank."""
 
@@ -74,14 +84,20 @@ class RankBatchSampler(torch.utils.data.Sampler):
         self.lengths, self.batch_size = list(lengths), batch_size
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.group_factor = group_factor
-        self.epoch, self.skip, self.skip_epoch = 0, 0, -1
+        self.sampler = _EpochCounter()  # Lightning sets the epoch here at the start of every epoch
+        self.skip, self.skip_epoch = 0, -1
+        self.consumed = 0  # batches of the current epoch the trainer has finished (set by the training step)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
 
     def resume(self, epoch: int, batches_done: int) -> None:
         """Skip the first `batches_done` batches of `epoch` (a resumed run already trained on them)."""
-        self.skip_epoch, self.skip = epoch, batches_done
+        self.skip_epoch, self.skip, self.consumed = epoch, batches_done, batches_done
 
     def _all_batches(self) -> list[list[int]]:
         n = len(self.lengths)
@@ -113,6 +129,29 @@ class RankBatchSampler(torch.utils.data.Sampler):
         self.skip, self.skip_epoch = 0, -1
         for b in mine[skip:]:
             yield [(i, self.epoch) for i in b]
+
+
+def worker_init(_worker_id: int) -> None:
+    """DataLoader workers decode chunks; one thread each keeps them from fighting the training step for cores."""
+    torch.set_num_threads(1)
+    try:
+        from numcodecs import blosc
+
+        blosc.set_nthreads(1)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+class ResumableLoader(torch.utils.data.DataLoader):
+    """A DataLoader Lightning can checkpoint: its state is (epoch, batches the trainer consumed), not what the
+    workers prefetched, so a resumed run continues with exactly the next unseen batch."""
+
+    def state_dict(self) -> dict:
+        bs = self.batch_sampler
+        return {"epoch": bs.epoch, "batches_done": bs.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.resume(int(state["epoch"]), int(state["batches_done"]))
 
 
 def collate(items: list[dict], pad_multiple: int = 1, num_anchors: Optional[int] = None) -> dict:

@@ -54,7 +54,7 @@ def check_store_matches(cfg: Config, attrs: dict) -> list[int]:
 
 
 def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int, world: int, pad_multiple: int):
-    from data.store_dataset import RankBatchSampler, StoreDataset, collate
+    from data.store_dataset import RankBatchSampler, ResumableLoader, StoreDataset, collate, worker_init
 
     t = cfg.train
     train_idx, val_idx = reader.indices("train"), reader.indices("validation")
@@ -66,9 +66,9 @@ def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int
     col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
     train_ds = StoreDataset(store_path, train_idx, t.num_anchors, t.seed)
     sampler = RankBatchSampler(lengths(train_idx), t.batch_size, rank, world, t.seed)
-    kw = dict(num_workers=t.num_workers, collate_fn=col, pin_memory=torch.cuda.is_available(),
+    kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init, pin_memory=torch.cuda.is_available(),
               persistent_workers=t.num_workers > 0, prefetch_factor=4 if t.num_workers > 0 else None)
-    train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, **kw)
+    train_dl = ResumableLoader(train_ds, batch_sampler=sampler, **kw)
     val_dl = None
     if val_idx:
         val_ds = StoreDataset(store_path, val_idx, t.num_anchors, t.seed, fixed_anchors=True)
@@ -124,12 +124,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     task = DrafterTask(cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
                        target_meta=attrs["target"], store_path=store_path)
 
-    class _ResumeSampler(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            s = pl_module.sampler_state
-            if resume and s.get("batches_done"):
-                sampler.resume(s["epoch"], s["batches_done"])
-
+    task.train_sampler = sampler  # the step records consumed batches; Lightning checkpoints the loader's state
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last=True,
                                  save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
     loggers = [CSVLogger(run_dir, name="logs", version="")]
@@ -144,7 +139,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     trainer = L.Trainer(
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
-        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, _ResumeSampler()],
+        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint],
         logger=loggers, log_every_n_steps=cfg.train.log_every, val_check_interval=min(cfg.train.val_every, len(sampler)),
         check_val_every_n_epoch=1, num_sanity_val_steps=0, use_distributed_sampler=False,
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,
@@ -163,6 +158,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
 
             summary["export"] = str(export_checkpoint(str(checkpoint_path), str(run_dir / "export")))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"train: {trainer.global_step} steps; val tau {summary['val'].get('val/tau', float('nan')):.3f}; "
+        tau = summary['val'].get('val/tau')
+        print(f"train: {trainer.global_step} steps; val tau {'n/a' if tau is None else f'{tau:.3f}'}; "
               f"checkpoint {checkpoint_path}" + (f"; export {summary.get('export')}" if export else ""), file=sys.stderr)
     return 0

@@ -47,7 +47,7 @@ class DrafterTask(L.LightningModule):
         self._embed: Optional[torch.Tensor] = None
         self._head: Optional[torch.Tensor] = None
         self._step_fn = None
-        self.sampler_state = {"epoch": 0, "batches_done": 0}
+        self.train_sampler = None  # set by stages.train (data position for resume)
         self.target_meta, self.store_path = dict(target_meta or {}), store_path
 
     # -- frozen head ------------------------------------------------------------------------------------
@@ -123,7 +123,8 @@ class DrafterTask(L.LightningModule):
         w_global, world = self._global_weight(loss_sum, stats["weight_sum"])
         loss = loss_sum * world / w_global  # DDP averages gradients over ranks -> sum over ranks / W_global
         acc = stats["hits"][1:] / stats["counts"][1:].clamp(min=1)
-        self.sampler_state["batches_done"] = batch_idx + 1
+        if self.train_sampler is not None:
+            self.train_sampler.consumed = batch_idx + 1
         B, S = batch["tokens"].shape
         self.log_dict({"train/loss": loss_sum.detach() / stats["weight_sum"].clamp(min=1e-6),
                        "train/tau": tau_from_slot_acc(acc.detach().cpu()),
@@ -176,10 +177,6 @@ class DrafterTask(L.LightningModule):
 
     # -- checkpoint extras ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["dflash"] = {"sampler": {"epoch": self.current_epoch, "batches_done": self.sampler_state["batches_done"]},
-                                "config": self.cfg.to_dict(), "layer_ids": self.layer_ids, "vocab_size": self.vocab_size,
+        checkpoint["dflash"] = {"config": self.cfg.to_dict(), "layer_ids": self.layer_ids, "vocab_size": self.vocab_size,
                                 "encoding": self.encoding, "target": self.target_meta, "store": self.store_path,
                                 "arch": self.arch.to_dict()}
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.sampler_state = dict(checkpoint.get("dflash", {}).get("sampler", self.sampler_state))
