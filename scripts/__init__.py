@@ -1,0 +1,1 @@
+"""Developer scripts (not part of the installed package): asset builders such as make_tiny_target.py."""
