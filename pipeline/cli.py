@@ -146,6 +146,15 @@ def export(checkpoint, out, sglang, dtype):
 
 
 @main.command()
+@click.argument("path")
+def status(path):
+    """State, progress, throughput and ETA of an extraction (STORE) or a training run (RUN dir)."""
+    from stages.status import show_status
+
+    _run(show_status, path)
+
+
+@main.command()
 @click.argument("store")
 def inspect(store):
     """Show a store: samples, tokens, bytes on disk and per token, compression per array, provenance, shards."""

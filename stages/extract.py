@@ -127,12 +127,19 @@ class Monitor:
             )
         return f"extract: {smp}/{psmp} samples, {tok}/{ptok} tokens, {_fmt_rate(rate)} tok/s, ETA {_fmt_eta(eta)}  {per}"
 
-    def maybe_print(self, force: bool = False) -> None:
+    def maybe_print(self, force: bool = False, status_file: Optional[Path] = None, state: str = "running",
+                    error: str = "") -> None:
         now = time.time()
         if force or now - self.last_print >= (1.0 if self.tty else 15.0):
             self.last_print = now
             end = "\r" if self.tty and not force else "\n"
-            print(self.line().ljust(100 if self.tty else 0), end=end, file=self.out, flush=True)
+            line = self.line()
+            print(line.ljust(100 if self.tty else 0), end=end, file=self.out, flush=True)
+            if status_file is not None:  # read by `dflash status` from another shell
+                tmp = status_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"state": state, "line": line, "pid": os.getpid(), "time": now,
+                                           "error": error, "shards": {str(k): v for k, v in self.state.items()}}))
+                tmp.replace(status_file)
 
 
 def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], shards: Optional[int],
@@ -167,6 +174,7 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     cpu_threads = max(1, (os.cpu_count() or 1) // len(todo))
     procs: dict[int, subprocess.Popen] = {}
     monitor = Monitor(todo)
+    status_file = logs / "extract-status.json"
     readers = []
     for i in todo:
         env = dict(os.environ)
@@ -205,15 +213,17 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
                 if rc not in (None, 0, 143) and failed is None and not interrupted["count"]:
                     failed = i
                     _stop_all(procs, exclude=i)
-            monitor.maybe_print()
+            monitor.maybe_print(status_file=status_file)
             time.sleep(0.2)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     for t in readers:
         t.join(timeout=5)
-    monitor.maybe_print(force=True)
     codes = {i: p.returncode for i, p in procs.items()}
+    final = "finished" if all(c == 0 for c in codes.values()) else ("stopped" if interrupted["count"] else "failed")
+    err = "; ".join(f"shard {i}: {e}" for i, e in monitor.errors.items())
+    monitor.maybe_print(force=True, status_file=status_file, state=final, error=err)
     bad = [i for i, c in codes.items() if c not in (0, 143) and c is not None and c > 0]
     if failed is None and bad:
         failed = bad[0]

@@ -1,0 +1,58 @@
+"""Plain progress lines for training runs: step, loss, tau, steps/s, tokens/s, ETA.
+
+Contract: rank 0 prints one line every `every` optimizer steps to stderr (which works under nohup, tmux or
+a scheduler's log, unlike a redrawn bar) and mirrors it to RUN/progress.json, which `dflash status`-style
+tools and people in another shell can read while the run goes on. Nothing here touches the training math.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+
+
+class ProgressLines(L.Callback):
+    def __init__(self, run_dir: Path, every: int):
+        self.run_dir, self.every = Path(run_dir), max(1, every)
+        self.t0 = self.step0 = None
+        self.tokens = 0.0
+
+    def on_train_start(self, trainer, pl_module):
+        self.t0, self.step0, self.tokens = time.time(), trainer.global_step, 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.tokens += float(batch["seq_lens"].sum()) * trainer.world_size
+        step = trainer.global_step
+        if not trainer.is_global_zero or step % self.every or step == self.step0:
+            return
+        dt = max(1e-6, time.time() - self.t0)
+        rate = (step - self.step0) / dt
+        total = trainer.estimated_stepping_batches
+        eta = (total - step) / rate if rate > 0 else float("nan")
+        m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("train/", "val/"))}
+        state = {"state": "running", "step": step, "total_steps": int(total), "epoch": trainer.current_epoch,
+                 "steps_per_s": rate, "tokens_per_s": self.tokens / dt, "eta_s": eta, "time": time.time(),
+                 "metrics": m}
+        line = (f"train: step {step}/{int(total)} epoch {trainer.current_epoch} loss {m.get('train/loss', float('nan')):.4f} "
+                f"tau {m.get('train/tau', float('nan')):.2f} {rate:.2f} steps/s {self.tokens / dt:,.0f} tok/s "
+                f"ETA {eta / 60:.1f} min")
+        print(line, file=sys.stderr, flush=True)
+        self._write(state)
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            self._write({"state": "finished", "step": trainer.global_step, "time": time.time()})
+
+    def on_exception(self, trainer, pl_module, exception):
+        if trainer.is_global_zero:
+            self._write({"state": "failed", "step": trainer.global_step, "error": f"{type(exception).__name__}: {exception}",
+                         "time": time.time()})
+
+    def _write(self, state: dict) -> None:
+        tmp = self.run_dir / "progress.json.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.run_dir / "progress.json")

@@ -1,0 +1,91 @@
+"""Long-run operations on CPU: SIGTERM to `dflash extract` stops every process and the rerun resumes; kill -9 of
+the parent makes its workers exit instead of running on as orphans; `dflash status` reads a run's state."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zarr
+
+from pipeline import store as st
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+OPTS = ["--set", "data.max_samples=150", "--set", "extract.token_budget=512"]
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _start(store):
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2",
+                             "--store", store, *OPTS], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_commits(store, n=2, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            root = zarr.open_group(store, mode="r")
+            if all(dict(root[st.shard_name(i)].attrs).get("progress", {}).get("committed_batches", 0) >= n
+                   for i in range(2)):
+                return
+        except Exception:  # noqa: BLE001 - not created yet
+            pass
+        time.sleep(0.1)
+    raise AssertionError("extraction made no progress")
+
+
+def _workers(store):
+    out = subprocess.run(["pgrep", "-f", f"extract_worker.*{store}"], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _gone(store, timeout=15.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline and _workers(store):
+        time.sleep(0.1)
+    return not _workers(store)
+
+
+def _finish_and_verify(store):
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2", "--store",
+                        store, *OPTS], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    reader = st.StoreReader(store)
+    assert len(reader.samples) == 150 and len({s.sample_id for s in reader.samples}) == 150
+
+
+def test_sigterm_stops_everything_and_rerun_resumes(tmp_path):
+    store = str(tmp_path / "s.zarr")
+    p = _start(store)
+    _wait_commits(store)
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=30)
+    err = p.stderr.read()
+    assert rc == 130 and time.time() - t0 < 20
+    assert "resume with the same command" in err
+    assert _gone(store, 5)
+    s = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", store], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True)
+    assert s.returncode == 0 and "stopped" in s.stdout and "shard 0" in s.stdout
+    _finish_and_verify(store)
+
+
+def test_parent_kill9_leaves_no_orphans(tmp_path):
+    store = str(tmp_path / "s.zarr")
+    p = _start(store)
+    _wait_commits(store)
+    assert _workers(store)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert _gone(store, 15), "workers kept running after their parent was killed"
+    s = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", store], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True)
+    assert "process gone" in s.stdout or "stopped" in s.stdout
+    _finish_and_verify(store)
