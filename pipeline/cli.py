@@ -48,9 +48,10 @@ def _run(fn, *args, **kwargs) -> None:
     except ImportError:  # pragma: no cover
         pass
     try:
+        from pipeline.preflight import PreflightError
         from stages.train import TrainError
 
-        user_errors += (TrainError,)
+        user_errors += (TrainError, PreflightError)
     except ImportError:  # pragma: no cover
         pass
     try:
@@ -120,7 +121,8 @@ def extract(config_path, overrides, shards, gpus, shard_index, store):
 @click.option("--store", default=None, help="Store path or URL (default: store.path).")
 @click.option("--resume", is_flag=True, help="Continue from RUN/checkpoints/last.ckpt (step, optimiser, data position).")
 @click.option("--no-export", is_flag=True, help="Skip exporting the drafter at the end.")
-def train(config_path, overrides, gpus, devices, store, resume, no_export):
+@click.option("--rebuild-compile-cache", is_flag=True, help="Empty this run's torch.compile cache before starting.")
+def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
@@ -130,7 +132,8 @@ def train(config_path, overrides, gpus, devices, store, resume, no_export):
 
     cfg = _load(config_path, overrides)
     gpu_list = _gpu_list(gpus)
-    _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export)
+    _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
+         rebuild_compile_cache=rebuild_compile_cache)
 
 
 @main.command()

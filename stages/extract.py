@@ -169,6 +169,12 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
         raise ExtractError(f"--shards {num_shards} needs {num_shards} GPUs but --gpus names {len(gpus)}: {gpus}")
     if n_gpu and any(g >= n_gpu for g in gpus):
         raise ExtractError(f"--gpus {gpus}: this machine has {n_gpu} GPU(s) (0..{n_gpu - 1})")
+    if n_gpu:
+        from pipeline.preflight import check_gpus_free
+
+        check_gpus_free([gpus[0] if shard_index is not None and len(gpus) == 1 else gpus[i] for i in todo],
+                        need_gib=_target_gib(cfg.target.path) + 8)
+    _disk_check(store_path, provenance, samples, num_shards, todo)
     resume_hint = f"resume with the same command: {command}"
     logs = _log_dir(store_path)
     cpu_threads = max(1, (os.cpu_count() or 1) // len(todo))
@@ -244,6 +250,36 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     print(f"extract: finished shard(s) {todo}; store {store_path} is {where}", file=sys.stderr)
     del stored
     return 0
+
+
+def _target_gib(path: str) -> float:
+    d = Path(path)
+    return sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**30 if d.is_dir() else 0.0
+
+
+def _disk_check(store_path: str, prov: dict, samples, num_shards: int, todo: list[int]) -> None:
+    from pipeline.preflight import disk_warning
+
+    done = _shard_tokens(store_path, num_shards)
+    mine = sum(len(s.input_ids) for j, s in enumerate(samples) if j % num_shards in todo)
+    left = max(0, mine - sum(done.get(i, 0) for i in todo))
+    per_tok = len(prov["layer_ids"]) * prov["hidden_size"] * (2 * 0.8 if prov["encoding"] == "bf16" else 1.0)
+    warning = disk_warning(store_path, left * per_tok)
+    if warning:
+        print(warning, file=sys.stderr)
+
+
+def _shard_tokens(store_path: str, num_shards: int) -> dict[int, int]:
+    import zarr
+
+    root = zarr.open_group(store_path, mode="r")
+    out = {}
+    for i in range(num_shards):
+        try:
+            out[i] = st.Progress.from_attrs(dict(root[st.shard_name(i)].attrs)).committed_tokens
+        except KeyError:
+            out[i] = 0
+    return out
 
 
 def _stop_all(procs: dict, exclude: int, grace: float = 15.0) -> None:

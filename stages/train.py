@@ -77,8 +77,23 @@ def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int
     return train_dl, val_dl, sampler
 
 
+def _compile_cache(cfg: Config, run_dir: Path, rebuild: bool) -> Path:
+    """Point inductor/triton caches at a directory keyed by torch, dflash and the drafter's shape."""
+    import dataclasses
+
+    from pipeline import __version__
+    from pipeline.preflight import compile_cache_dir
+
+    key = {"torch": torch.__version__, "dflash": __version__, "drafter": dataclasses.asdict(cfg.drafter),
+           "precision": cfg.train.precision, "compile": cfg.train.compile, "num_anchors": cfg.train.num_anchors}
+    d = compile_cache_dir(run_dir / "compile-cache", key, rebuild=rebuild)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
+    return d
+
+
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
-              command: str, export: bool = True) -> int:
+              command: str, export: bool = True, rebuild_compile_cache: bool = False) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -113,12 +128,22 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         accel, devs = "cpu", (devices or 1)
         world = devs
         precision = "32-true"
+        # share the cores: OpenMP threads that outnumber cores spin against each other (10x slower steps)
+        spare = (os.cpu_count() or 1) // world - (1 if cfg.train.num_workers > 0 else 0)
+        torch.set_num_threads(max(1, spare))
     strategy = "ddp" if world > 1 else "auto"
     if world > 1 and not use_gpu:
         from lightning.pytorch.strategies import DDPStrategy
 
         strategy = DDPStrategy(process_group_backend="gloo")
-    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))  # set by Lightning for child ranks
+    launcher = "LOCAL_RANK" not in os.environ  # Lightning sets it in the per-rank processes it starts
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+    if use_gpu and launcher:  # before any rank touches a GPU
+        from pipeline.preflight import check_gpus_free
+
+        check_gpus_free(list(devs), need_gib=16)
+    if use_gpu:
+        _compile_cache(cfg, run_dir, rebuild=rebuild_compile_cache and launcher)
     train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1)
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,95 @@
+"""Checks before any heavy work: the named GPUs are free, the store has room, the compile cache is ours.
+
+Contract:
+- `check_gpus_free(gpus, need_gib)` reads `nvidia-smi` (no CUDA context is created in the caller) and raises
+  `PreflightError` naming each GPU that does not exist or whose free memory is below what the job needs,
+  with the processes holding it. Without nvidia-smi (CPU machines) it checks nothing.
+- `disk_warning(path, bytes_needed)` returns a warning line when the filesystem of a local store has less
+  free space than the estimate, else None.
+- `compile_cache_dir(root, key_parts)` is a directory keyed by what produced the artifacts (torch version,
+  dflash version, the model configuration); different code never shares a cache, so nobody deletes one
+  by hand. `rebuild=True` empties it first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+
+class PreflightError(RuntimeError):
+    pass
+
+
+def _smi(query: str, kind: str = "--query-gpu") -> Optional[list[list[str]]]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, f"{kind}={query}", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.strip().splitlines() if line.strip()]
+
+
+def parse_gpu_usage(gpus_csv: list[list[str]], apps_csv: list[list[str]]) -> dict[int, dict]:
+    """index -> {free_gib, total_gib, holders: ["pid name (MiB)"]} from nvidia-smi CSV rows."""
+    info = {}
+    for idx, uuid, used, total in gpus_csv:
+        info[int(idx)] = {"uuid": uuid, "free_gib": (float(total) - float(used)) / 1024, "total_gib": float(total) / 1024,
+                          "holders": []}
+    by_uuid = {v["uuid"]: k for k, v in info.items()}
+    for uuid, pid, name, mem in apps_csv:
+        if uuid in by_uuid:
+            info[by_uuid[uuid]]["holders"].append(f"pid {pid} {name} ({mem} MiB)")
+    return info
+
+
+def check_gpus_free(gpus: list[int], need_gib: float) -> None:
+    rows = _smi("index,uuid,memory.used,memory.total")
+    if rows is None:
+        return
+    apps = _smi("gpu_uuid,pid,process_name,used_memory", "--query-compute-apps") or []
+    info = parse_gpu_usage(rows, apps)
+    problems = []
+    for g in gpus:
+        if g not in info:
+            problems.append(f"GPU {g} does not exist (this machine has {sorted(info)})")
+        elif info[g]["free_gib"] < need_gib:
+            held = ", ".join(info[g]["holders"]) or "unknown processes"
+            problems.append(f"GPU {g} has {info[g]['free_gib']:.1f} GiB free of {info[g]['total_gib']:.0f}, the job needs "
+                            f"~{need_gib:.0f} GiB; held by {held}")
+    if problems:
+        raise PreflightError("GPUs not available:\n  " + "\n  ".join(problems)
+                             + "\nStop what holds them or pick others with --gpus.")
+
+
+def disk_warning(path: str, bytes_needed: float) -> Optional[str]:
+    if "://" in str(path):
+        return None
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if free < bytes_needed:
+        return (f"warning: {p} has {free / 1e9:.1f} GB free but the store needs about {bytes_needed / 1e9:.1f} GB more "
+                f"({(bytes_needed - free) / 1e9:.1f} GB missing); extraction stops cleanly when the disk fills and "
+                "resumes once space is freed")
+    return None
+
+
+def compile_cache_dir(root: Path, key_parts: dict, rebuild: bool = False) -> Path:
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    d = Path(root) / key
+    if rebuild and d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "key.json").write_text(json.dumps(key_parts, sort_keys=True, default=str, indent=1))
+    return d
