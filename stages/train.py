@@ -66,7 +66,9 @@ def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int
     col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
     train_ds = StoreDataset(store_path, train_idx, t.num_anchors, t.seed)
     sampler = RankBatchSampler(lengths(train_idx), t.batch_size, rank, world, t.seed)
-    kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init, pin_memory=torch.cuda.is_available(),
+    # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock
+    kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init,
+              multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
               persistent_workers=t.num_workers > 0, prefetch_factor=4 if t.num_workers > 0 else None)
     train_dl = ResumableLoader(train_ds, batch_sampler=sampler, **kw)
     val_dl = None
