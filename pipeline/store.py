@@ -157,11 +157,15 @@ def create_or_open_store(path: str, provenance: dict) -> dict:
             )
         return stored
     zarr = _zarr()
-    if is_local(path):
-        Path(path).mkdir(parents=True, exist_ok=True)
-    root = zarr.open_group(path, mode="a")
-    root.require_group(SHARDS_GROUP)
-    root.attrs["dflash"] = provenance  # written last: a store without it is not (yet) a dflash store
+    try:
+        if is_local(path):
+            Path(path).mkdir(parents=True, exist_ok=True)
+        root = zarr.open_group(path, mode="a")
+        root.require_group(SHARDS_GROUP)
+        root.attrs["dflash"] = provenance  # written last: a store without it is not (yet) a dflash store
+    except OSError as e:
+        raise StoreError(f"cannot create the store at {path}: {e}; choose a writable --store path "
+                         "(or set store.path) with room for the features") from None
     return provenance
 
 

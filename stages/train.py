@@ -100,7 +100,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from stages.progress import ProgressLines
+    from stages.progress import ProgressLines, log_process_output
     from stages.train_module import DrafterTask
 
     store_path = store or cfg.store.path
@@ -149,6 +149,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1)
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     run_dir.mkdir(parents=True, exist_ok=True)
+    log_process_output(run_dir, rank)
     task = DrafterTask(cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
                        target_meta=attrs["target"], store_path=store_path)
 
@@ -175,7 +176,15 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "command.txt").write_text(command + "\n")
-    trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
+    try:
+        trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
+    except (SystemExit, KeyboardInterrupt):  # Lightning turns SIGTERM and Ctrl-C into SystemExit
+        if getattr(trainer, "received_sigterm", False) or trainer.interrupted:
+            hint = command if "--resume" in command else command + " --resume"
+            print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
+                  f"resume with: {hint}", file=sys.stderr)
+            return 130
+        raise
     checkpoint_path = ckpt_dir / "last.ckpt"
     trainer.save_checkpoint(checkpoint_path)  # every rank calls it (it synchronises); rank 0 writes
     if trainer.is_global_zero:

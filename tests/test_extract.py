@@ -209,7 +209,21 @@ def test_refusals(tmp_path, two_shard_store):
     empty.write_text("")
     r = dflash("extract", "--config", TINY, "--store", str(tmp_path / "e.zarr"), "--set",
                f"data.train_files=[{empty}]", "--set", "data.validation_files=[]", check=False)
-    assert r.returncode == 2 and "no samples" in r.stderr.lower() or "empty" in r.stderr.lower()
+    assert r.returncode == 2 and ("no samples" in r.stderr.lower() or "empty" in r.stderr.lower()), r.stderr
+    r = dflash("extract", "--config", TINY, "--shards", "2", "--store", two_shard_store,
+               "--set", "data.max_samples=100", "--set", "extract.token_budget=2048", check=False)
+    assert r.returncode == 2 and "dataset.fingerprint" in r.stderr
+    r = dflash("extract", "--config", TINY, "--shards", "2", "--store", two_shard_store, *SMALL,
+               "--set", "data.enable_thinking=true", check=False)
+    assert r.returncode == 2 and "enable_thinking" in r.stderr
+
+
+def test_unwritable_store_path_fails_clearly(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    r = dflash("extract", "--config", TINY, "--store", str(blocker / "s.zarr"), *SMALL, check=False)
+    assert r.returncode == 2 and "error:" in r.stderr and str(blocker) in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_verify_catches_corruption_and_truncation(tmp_path, two_shard_store):

@@ -89,3 +89,25 @@ def test_parent_kill9_leaves_no_orphans(tmp_path):
                        capture_output=True, text=True)
     assert "process gone" in s.stdout or "stopped" in s.stdout
     _finish_and_verify(store)
+
+
+def test_training_sigterm_stops_all_ranks_with_resume_hint(tmp_path):
+    store = str(tmp_path / "s.zarr")
+    _finish_and_verify(store)
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--devices",
+                          "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--set", "train.log_every=2",
+                          "--set", "train.checkpoint_every=4", "--no-export"], cwd=ROOT, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((run / "checkpoints").glob("step*.ckpt")):
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=60)
+    err = p.stderr.read()
+    assert rc == 130 and "--resume" in err and "stopped at step" in err
+    time.sleep(2)
+    left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+    assert (run / "checkpoints" / "last.ckpt").exists()
+    assert (run / "logs" / "rank0.log").exists() and (run / "logs" / "rank1.log").exists()

@@ -143,3 +143,29 @@ def test_nonfinite_loss_stops_with_step_and_hint(tiny_store, tmp_path):
                             "--set", "train.grad_clip=0.0", "--no-export"), check=False)
     assert r.returncode != 0
     assert "non-finite loss at step" in r.stderr and "--resume" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_job_without_hanging(tiny_store, tmp_path):
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "pipeline.cli", *_train_args(tiny_store, run, "--devices", "2", "--set",
+                                                               "train.epochs=50", "--no-export")]
+    p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    child = []
+    while time.time() < deadline and not child:  # wait for rank 1 (Lightning starts it with LOCAL_RANK=1)
+        time.sleep(0.5)
+        for pid in subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split():
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"LOCAL_RANK=1" in env and (run / "progress.json").exists():
+                child.append(int(pid))
+    assert child, "rank 1 never started"
+    os.kill(child[0], signal.SIGKILL)
+    rc = p.wait(timeout=120)  # no hang: the launcher notices its dead rank
+    assert rc != 0
+    left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
