@@ -187,7 +187,11 @@ def verify(store):
 @click.option("--device", default=None, help="cpu or cuda[:i] (default: cuda when available).")
 @click.option("--cache", type=click.Choice(["auto", "kv", "recompute"]), default="auto", show_default=True,
               help="Target KV-cache policy of both greedy and speculative decoding (online).")
-def eval_(drafter, config_path, overrides, store, online, out, device, cache):
+@click.option("--max-samples", type=int, default=1000, show_default=True,
+              help="Offline: at most this many validation samples of the store.")
+@click.option("--threads", type=int, default=None,
+              help="Online on CPU: torch threads while decoding (default: 1 for targets under 100M parameters).")
+def eval_(drafter, config_path, overrides, store, online, out, device, cache, max_samples, threads):
     """Measure a drafter (exported directory or training checkpoint): acceptance length tau offline from the
     store (no target compute) and, with --online, real speculative decoding against plain greedy decoding.
 
@@ -197,7 +201,8 @@ def eval_(drafter, config_path, overrides, store, online, out, device, cache):
 
     def call():
         try:
-            return run_eval(drafter, config_path, list(overrides), store, online, out, device, cache)
+            return run_eval(drafter, config_path, list(overrides), store, online, out, device, cache, max_samples,
+                            threads)
         except EvalError as e:
             click.echo(f"error: {e}", err=True)
             return 2

@@ -4,21 +4,28 @@ Contract:
 - DRAFTER is an exported directory (config.json + model.safetensors) or a training checkpoint (.ckpt); the
   kind is detected. A drafter inside a run directory (RUN/export, RUN/checkpoints/x.ckpt) finds its run:
   RUN/config.yaml is the default config and RUN/logs/metrics.csv gives the training curves.
-- Offline (no target compute): validation samples of the store (all samples, flagged, when the store has no
-  validation split). Anchors: positions a with m[a] and m[a+1] (as training), at most
-  eval.max_anchors_per_sample per sample, evenly spaced over the candidates (deterministic). Each anchor is
-  drafted as serving would: context = features of positions < a, block [token a, MASK...], greedy through
-  the frozen lm_head (`draft_blocks`). Slot k is labelled with token a+k when it exists and is supervised.
-  Acceptance length = 1 + number of leading slots whose draft equals the label (stops at the first mismatch,
-  the sequence end or an unsupervised token). Reports mean tau, per-slot accuracy (unconditional: hits /
-  labelled slots), tau implied by the per-slot accuracies (the training metric), and the histogram.
+- Offline (no target compute): validation samples of the store (at most `max_samples`, in store order; all
+  samples, flagged, when the store has no validation split). Candidate anchors: positions a with m[a] and
+  m[a+1] (as training). Each anchor is drafted as serving would: context = features of positions < a, block
+  [token a, MASK...], greedy through the frozen lm_head (`draft_blocks`). Slot k is labelled with token a+k
+  when it exists and is supervised. Acceptance length = 1 + number of leading slots whose draft equals the
+  label (stops at the first mismatch, the sequence end or an unsupervised token).
+  * uniform: at most eval.max_anchors_per_sample evenly spaced anchors per sample (deterministic): mean tau,
+    per-slot accuracy (unconditional: hits / labelled slots), tau implied by the per-slot accuracies (the
+    training metric) and the histogram. Every position weighs the same.
+  * serving walk: decoding replayed on the stored responses (`serving_walk`): from each assistant turn's
+    first token, a step yields its anchor's acceptance length (never past the turn's end-of-turn token) and
+    the next step anchors where it stopped. Tokens per verify step, as the online eval counts them; when the
+    responses are the target's own greedy outputs it predicts online tau. It is lower than the uniform mean:
+    decoding steps over easy stretches in long strides and visits hard positions one by one, so they weigh more.
 - Online (`--online`): the target (load_target, on CUDA when present, else CPU) greedy-decodes held-out
   prompts (the conversation up to its first assistant turn, from data.validation_files, else the validation
   split of data.train_files) rendered with the chat template, add_generation_prompt=True and
   data.enable_thinking; then decodes them speculatively (stages/speculate.py). Reports tau (tokens per
-  verify step), tokens per target forward, wall-clock speedup (sum of greedy times / sum of speculative
-  times, the same cache policy, interleaved per prompt after a warm-up) and the number of prompts whose
-  speculative output differs from greedy (must be 0; anything else is a bug and fails the command).
+  verify step), tokens per target forward (prefill included), wall-clock speedup (sum of greedy times / sum of
+  speculative times: same machine, same cache policy, same threads, interleaved per prompt after a warm-up)
+  and the prompts whose speculative output differs from greedy (must be 0; anything else is a bug: the command
+  prints a banner with the target's logit gap at the first difference and exits 1).
 - Writes OUT/report.json and PNG plots (acceptance histogram, per-slot accuracy, training curves).
 """
 
@@ -163,30 +170,81 @@ class AcceptanceStats:
 DraftFn = Callable[..., Tensor]
 
 
+def supervised_runs(loss_mask: Tensor) -> list[tuple[int, int]]:
+    """[(first, last)] inclusive position ranges of consecutive supervised tokens (one per assistant turn)."""
+    m = loss_mask.bool().tolist()
+    runs, start = [], None
+    for i, v in enumerate(m + [False]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            runs.append((start, i - 1))
+            start = None
+    return runs
+
+
+def serving_walk(acc_len: dict[int, int], runs: list[tuple[int, int]]) -> list[int]:
+    """Replay speculative decoding on the stored responses: tokens produced per verify step.
+
+    Each assistant turn [first, last] is decoded as serving would when the response is the target's own greedy
+    output: the first token comes from the prefill; from anchor a the step yields acc_len[a] tokens (accepted
+    drafts + the target's bonus) but never past the turn's last token (its end-of-turn token stops decoding),
+    and the next step anchors at the last token produced."""
+    steps = []
+    for first, last in runs:
+        a = first
+        while a < last:
+            take = min(acc_len[a], last - a)
+            steps.append(take)
+            a += take
+    return steps
+
+
 def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tensor, lm_head_weight: Tensor,
                  max_anchors: int, block_size: Optional[int] = None, anchor_chunk: int = 64,
-                 draft: DraftFn = draft_blocks) -> dict:
-    """samples: dicts with tokens [S] long, loss_mask [S], features [S, L*H] float. See the module contract."""
+                 draft: DraftFn = draft_blocks, walk: bool = True) -> dict:
+    """samples: dicts with tokens [S] long, loss_mask [S], features [S, L*H] float. See the module contract.
+
+    The uniform statistics (tau, per-slot accuracy, histogram) use at most max_anchors evenly spaced anchors
+    per sample; with walk=True every candidate anchor is drafted so that `serving_walk` can replay decoding
+    (tau_serving: tokens per verify step, the number the online eval measures)."""
     bs = block_size or drafter.arch.block_size
     stats = AcceptanceStats(bs)
+    walk_steps: list[int] = []
     n_samples = 0
     k = torch.arange(1, bs)
     for s in samples:
         tokens, mask, feats = s["tokens"].long(), s["loss_mask"].bool(), s["features"]
         S = tokens.numel()
-        anchors = select_anchors(mask, max_anchors)
-        if anchors.numel() == 0:
+        chosen = select_anchors(mask, max_anchors)
+        if chosen.numel() == 0:
             continue
         n_samples += 1
+        anchors = select_anchors(mask, S) if walk else chosen  # all candidates for the walk
+        is_chosen = torch.isin(anchors, chosen)
+        acc_at: dict[int, int] = {}
         for c in range(0, anchors.numel(), anchor_chunk):
-            a = anchors[c : c + anchor_chunk]
+            a, pick = anchors[c : c + anchor_chunk], is_chosen[c : c + anchor_chunk]
             d = draft(drafter, feats, a, tokens[a], embed_weight, lm_head_weight).cpu()  # [A, bs-1]
             pos = a[:, None] + k  # [A, bs-1]
-            inside = pos < S
             pos_c = pos.clamp(max=S - 1)
-            stats.add(d, tokens[pos_c], inside & mask[pos_c])
+            labels, valid = tokens[pos_c], (pos < S) & mask[pos_c]
+            match = (d == labels) & valid
+            acc_at.update(zip(a.tolist(), (1 + torch.cumprod(match.long(), 1).sum(1)).tolist()))
+            if pick.any():
+                stats.add(d[pick], labels[pick], valid[pick])
+        if walk:
+            walk_steps += serving_walk(acc_at, supervised_runs(mask))
     out = stats.summary()
     out["samples"] = n_samples
+    if walk:
+        hist = np.bincount(np.asarray(walk_steps, dtype=np.int64), minlength=bs + 1)[: bs + 1]
+        out["serving_walk"] = {
+            "tau": float(sum(walk_steps) / max(len(walk_steps), 1)),
+            "steps": len(walk_steps),
+            "tokens": int(sum(walk_steps)),
+            "acceptance_histogram": {str(i): int(hist[i]) for i in range(1, bs + 1)},
+        }
     return out
 
 
@@ -213,7 +271,7 @@ def load_store_head(store_path: str, device, dtype) -> tuple[Tensor, Tensor]:
 
 
 def run_offline(drafter: nn.Module, store_path: str, max_anchors: int, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> dict:
+                dtype: torch.dtype = torch.float32, max_samples: Optional[int] = None) -> dict:
     reader = st.StoreReader(store_path)
     arch = drafter.arch
     drafter = drafter.to(device=device, dtype=dtype)
@@ -228,11 +286,14 @@ def run_offline(drafter: nn.Module, store_path: str, max_anchors: int, device: t
     if not indices:
         split, indices = "all (the store has no validation split: optimistic)", list(range(len(reader.samples)))
         log(f"eval: WARNING: {store_path} has no validation samples; evaluating on training samples")
+    if max_samples is not None:
+        indices = indices[:max_samples]
     embed, head = load_store_head(store_path, device, dtype)
     t0 = time.perf_counter()
     out = offline_eval(drafter, store_samples(reader, indices, device, dtype), embed, head, max_anchors)
     out.update({"store": store_path, "split": split, "encoding": reader.encoding,
-                "max_anchors_per_sample": max_anchors, "seconds": round(time.perf_counter() - t0, 2)})
+                "max_anchors_per_sample": max_anchors, "max_samples": max_samples,
+                "seconds": round(time.perf_counter() - t0, 2)})
     return out
 
 
@@ -271,7 +332,8 @@ def heldout_prompts(cfg: Config, n: int) -> list[tuple[str, list[dict]]]:
         if len(out) >= n:
             break
     if not out:
-        raise EvalError("no held-out prompts: set data.validation_files (or data.validation_fraction > 0) in the config")
+        raise EvalError("no held-out prompts: set data.validation_files (or data.validation_fraction > 0) in the "
+                        "config")
     return out
 
 
@@ -289,8 +351,32 @@ def stop_token_ids(tokenizer, model) -> set[int]:
     return ids
 
 
+@torch.inference_mode()
+def _margin(model, prefix: list[int], greedy: list[int], spec: list[int], i: int) -> Optional[float]:
+    """Diagnostic for a mismatch: the target's logit gap (full forward, no cache) between the two tokens chosen
+    at the first difference. A gap near 0 points at a numerical near-tie (e.g. bf16 kernels that differ between
+    a 1-token and a block forward); a large gap is a logic bug."""
+    if i >= len(greedy) or i >= len(spec):
+        return None
+    dev = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([prefix], device=dev), use_cache=False).logits[0, -1].float()
+    return float(logits[greedy[i]] - logits[spec[i]])
+
+
 def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: str, num_prompts: int,
-               max_new_tokens: int, cache: str = "auto", store_attrs: Optional[dict] = None) -> dict:
+               max_new_tokens: int, cache: str = "auto", store_attrs: Optional[dict] = None,
+               threads: Optional[int] = None) -> dict:
+    """See the module contract. threads (CPU only): torch threads while decoding; default 1 for targets under
+    100M parameters (their matmuls are too small to split; thread hand-offs cost more than they save, and far
+    more on a loaded machine), else torch's default. Greedy and speculative decoding run with the same."""
+    saved = torch.get_num_threads()
+    try:
+        return _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cache, store_attrs, threads)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cache, store_attrs, threads) -> dict:
     from pipeline.target import DTYPES, load_target, load_tokenizer
     from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
 
@@ -307,6 +393,11 @@ def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: 
     if max(arch.target_layer_ids) >= n_layers:
         raise EvalError(f"the drafter uses target layers {arch.target_layer_ids} but {cfg.target.path} has {n_layers}")
     drafter = drafter.to(device=device, dtype=dtype)
+    if device.type == "cpu":
+        if threads is None and sum(p.numel() for p in model.parameters()) < 100_000_000:
+            threads = 1
+        if threads:
+            torch.set_num_threads(threads)
     embed = model.get_input_embeddings().weight.detach()
     out_emb = model.get_output_embeddings()
     head = out_emb.weight.detach() if out_emb is not None else embed
@@ -331,7 +422,7 @@ def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: 
     steps: list[int] = []
     mismatches = []
     per_prompt = []
-    for i, (sid, ids) in enumerate(encoded):
+    for sid, ids in encoded:
         g = greedy_decode(runner, ids, max_new_tokens, stops)
         s = speculative_decode(runner, draft_fn, ids, max_new_tokens=max_new_tokens, **spec_kw)
         g_time += g.seconds
@@ -344,7 +435,8 @@ def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: 
         if not same:
             first = next((j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b),
                          min(len(g.tokens), len(s.tokens)))
-            mismatches.append({"sample_id": sid, "first_difference": first, "greedy": g.tokens, "speculative": s.tokens})
+            mismatches.append({"sample_id": sid, "first_difference": first, "greedy": g.tokens, "speculative": s.tokens,
+                               "logit_margin": _margin(model, ids + g.tokens[:first], g.tokens, s.tokens, first)})
         per_prompt.append({"sample_id": sid, "prompt_tokens": len(ids), "new_tokens": len(g.tokens),
                            "verify_steps": len(s.steps), "tau": round(sum(s.steps) / max(len(s.steps), 1), 4),
                            "identical": same})
@@ -354,6 +446,7 @@ def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: 
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "cache": runner.policy,
+        "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
         "prompts": len(encoded),
         "max_new_tokens": max_new_tokens,
         "enable_thinking": cfg.data.enable_thinking,
@@ -416,19 +509,24 @@ def write_plots(report: dict, out: Path, metrics: dict) -> list[str]:
     bs = report["drafter"]["block_size"]
     ks = np.arange(1, bs + 1)
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    width = 0.4 if off and on else 0.8
-    for j, (name, res) in enumerate((("offline", off), ("online", on))):
-        if not res:
-            continue
-        h = np.array([res["acceptance_histogram"].get(str(k), 0) for k in ks], dtype=float)
-        shift = (j - 0.5) * width if off and on else 0.0
-        ax.bar(ks + shift, h / max(h.sum(), 1), width=width, label=f"{name} (tau {res['tau']:.2f})")
-    ax.set_xlabel("acceptance length (accepted drafts + 1)")
+    series = []
+    if off:
+        series.append((f"offline uniform (tau {off['tau']:.2f})", off["acceptance_histogram"]))
+        if off.get("serving_walk"):
+            series.append((f"offline serving walk (tau {off['serving_walk']['tau']:.2f})",
+                           off["serving_walk"]["acceptance_histogram"]))
+    if on:
+        series.append((f"online (tau {on['tau']:.2f})", on["acceptance_histogram"]))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / max(len(series), 1)
+    for j, (label, hist) in enumerate(series):
+        h = np.array([hist.get(str(k), 0) for k in ks], dtype=float)
+        ax.bar(ks + (j - (len(series) - 1) / 2) * width, h / max(h.sum(), 1), width=width, label=label)
+    ax.set_xlabel("tokens per block / verify step (accepted drafts + 1)")
     ax.set_ylabel("fraction of blocks")
     ax.set_xticks(ks)
     ax.set_title("acceptance-length distribution")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "acceptance_histogram.png", dpi=110)
     plt.close(fig)
@@ -480,7 +578,8 @@ def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:
 
 def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: list[str] | tuple = (),
              store: Optional[str] = None, online: bool = False, out: Optional[str] = None,
-             device: Optional[str] = None, cache: str = "auto") -> int:
+             device: Optional[str] = None, cache: str = "auto", max_samples: Optional[int] = 1000,
+             threads: Optional[int] = None) -> int:
     overrides = list(overrides)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     drafter, src = load_drafter(drafter_path, "cpu", torch.float32)
@@ -500,11 +599,12 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
     encoding = (store_attrs or {}).get("encoding") or src.encoding or cfg.store.encoding
     if store_attrs is not None:
         log(f"eval: offline on {store_path} (drafter: {src.kind} {drafter_path})")
-        report["offline"] = run_offline(drafter, store_path, cfg.eval.max_anchors_per_sample, dev)
+        report["offline"] = run_offline(drafter, store_path, cfg.eval.max_anchors_per_sample, dev,
+                                        max_samples=max_samples)
         o = report["offline"]
-        log(f"eval: offline tau {o['tau']:.3f} over {o['blocks']} blocks of {o['samples']} samples "
-            f"(tau from per-slot accuracy {o['tau_from_slot_acc']:.3f}); slot accuracy "
-            + " ".join(f"{a:.2f}" for a in o["slot_accuracy"]))
+        log(f"eval: offline tau {o['tau']:.3f} (uniform over {o['blocks']} anchors of {o['samples']} samples; "
+            f"from per-slot accuracy {o['tau_from_slot_acc']:.3f}), serving walk {o['serving_walk']['tau']:.3f} "
+            f"tokens/step; slot accuracy " + " ".join(f"{a:.2f}" for a in o["slot_accuracy"]))
     elif not online:
         raise EvalError(f"no store at {store_path} for the offline eval; pass --store PATH (or --online to decode "
                         "with the target instead)")
@@ -515,23 +615,29 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
         log(f"eval: online on {cfg.target.path} ({dev}), {cfg.eval.num_prompts} prompts x "
             f"{cfg.eval.max_new_tokens} new tokens")
         report["online"] = r = run_online(drafter, cfg, dev, encoding, cfg.eval.num_prompts, cfg.eval.max_new_tokens,
-                                          cache, store_attrs)
+                                          cache, store_attrs, threads)
         log(f"eval: online tau {r['tau']:.3f} tokens/verify step, {r['tokens_per_target_forward']:.3f} tokens/target "
             f"forward, speedup {r['speedup']:.2f}x over greedy ({r['greedy_tokens_per_second']:.1f} -> "
             f"{r['speculative_tokens_per_second']:.1f} tok/s, cache={r['cache']}, {r['prompts']} prompts, "
             f"{r['new_tokens']} tokens)")
         if r["mismatches"]:
             code = 1
+            first = r["mismatch_details"][0]
             log(f"{MISMATCH_BANNER}\neval: BUG: speculative output differs from plain greedy decoding on "
                 f"{r['mismatches']} of {r['prompts']} prompts (speculative decoding must be lossless); "
-                f"first: {r['mismatch_details'][0]['sample_id']} at token {r['mismatch_details'][0]['first_difference']}"
-                f"\n{MISMATCH_BANNER}")
+                f"first: {first['sample_id']} at token {first['first_difference']} "
+                f"(target logit gap between the two choices: {first['logit_margin']}; ~0 means a "
+                f"numerical near-tie, e.g. bf16 kernels; try --set target.dtype=float32)\n{MISMATCH_BANNER}")
         else:
             log(f"eval: lossless: speculative output equals greedy token for token on all {r['prompts']} prompts")
         if "offline" in report:
-            rel = r["tau"] / report["offline"]["tau"] - 1.0
-            report["online_vs_offline_tau"] = round(rel, 4)
-            log(f"eval: online tau is {rel:+.1%} relative to offline")
+            o = report["offline"]
+            report["online_vs_offline_tau"] = {"vs_serving_walk": round(r["tau"] / o["serving_walk"]["tau"] - 1, 4),
+                                               "vs_uniform": round(r["tau"] / o["tau"] - 1, 4)}
+            rel = report["online_vs_offline_tau"]
+            log(f"eval: online tau is {rel['vs_serving_walk']:+.1%} relative to the offline "
+                f"serving walk ({o['serving_walk']['tau']:.3f}), {rel['vs_uniform']:+.1%} "
+                f"relative to the uniform offline tau ({o['tau']:.3f})")
     metrics = read_metrics(src.run_dir) if src.run_dir else {}
     if metrics:
         report["training"] = {k: v[-1][1] for k, v in metrics.items() if k.startswith("val/")}

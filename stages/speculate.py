@@ -141,7 +141,8 @@ def greedy_decode(runner: TargetRunner, prompt: list[int], max_new_tokens: int, 
 @torch.inference_mode()
 def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int], layer_ids: list[int],
                        block_size: int, max_new_tokens: int, stop_ids: set[int],
-                       feature_encoding: Optional[str] = "bf16", feature_dtype: torch.dtype = torch.float32) -> DecodeResult:
+                       feature_encoding: Optional[str] = "bf16",
+                       feature_dtype: torch.dtype = torch.float32) -> DecodeResult:
     runner.reset()
     if hasattr(draft_fn, "reset"):
         draft_fn.reset()

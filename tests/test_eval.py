@@ -109,7 +109,8 @@ def test_incremental_draft_fn_equals_draft_blocks():
         ref = draft_blocks(drafter, feats[:pos], torch.tensor([pos]), tokens[pos : pos + 1], emb, head)[0].tolist()
         assert got == ref, pos
     fn.reset()
-    assert fn(feats[:4], 4, 9) == draft_blocks(drafter, feats[:4], torch.tensor([4]), torch.tensor([9]), emb, head)[0].tolist()
+    ref = draft_blocks(drafter, feats[:4], torch.tensor([4]), torch.tensor([9]), emb, head)[0].tolist()
+    assert fn(feats[:4], 4, 9) == ref
 
 
 def test_speculative_features_equal_full_forward(random_target):
@@ -228,10 +229,44 @@ def test_offline_eval_real_drafter_context_is_strictly_before_anchor():
     tokens = torch.randint(4, V, (S,))
     emb = torch.randn(V, 48)
     anchors = torch.tensor([3, 10, 11, 25])
-    batched = draft_blocks(drafter, feats, anchors, tokens[anchors], emb, emb)
+    batched, logits = draft_blocks(drafter, feats, anchors, tokens[anchors], emb, emb, return_logits=True)
     for i, a in enumerate(anchors.tolist()):
-        alone = draft_blocks(drafter, feats[:a], torch.tensor([a]), tokens[a : a + 1], emb, emb)
-        assert torch.equal(batched[i], alone[0])
+        alone, alone_logits = draft_blocks(drafter, feats[:a], torch.tensor([a]), tokens[a : a + 1], emb, emb,
+                                           return_logits=True)
+        torch.testing.assert_close(logits[i], alone_logits[0], rtol=1e-5, atol=1e-5)  # the anchor's own
+        assert torch.equal(batched[i], alone[0])  # features (and anything after it) are invisible
+
+
+@pytest.mark.skipif(not TINY_TARGET.exists(), reason="the embedded tiny target (data/assets/tiny-target) is missing")
+def test_eval_reports_a_lossless_violation_loudly(monkeypatch, tmp_path, capsys):
+    """An exported (random) drafter, online only (no store): a decoder that corrupts its output must make the
+    eval fail with exit code 1 and a banner, and the report must carry the mismatch."""
+    import stages.speculate as sp
+    from pipeline.config import load_config
+    from pipeline.export import export_drafter
+    from stages.evaluate import run_eval
+
+    cfg = load_config(TINY)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterArch.from_config(cfg.drafter, [1, 3, 5]))
+    export = export_drafter(drafter, None, tmp_path / "export", vocab_size=576, num_target_layers=8,
+                            tie_word_embeddings=True, dtype="float32")
+    real = sp.speculative_decode
+
+    def corrupted(*args, **kwargs):
+        r = real(*args, **kwargs)
+        r.tokens = r.tokens[:-1] + [(r.tokens[-1] + 1) % 500]
+        return r
+
+    monkeypatch.setattr(sp, "speculative_decode", corrupted)
+    out = tmp_path / "eval"
+    code = run_eval(str(export), overrides=["eval.num_prompts=3", "eval.max_new_tokens=10"],
+                    store=str(tmp_path / "no-store"), online=True, out=str(out), device="cpu")
+    assert code == 1
+    assert "BUG: speculative output differs" in capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert "offline" not in report and report["online"]["mismatches"] == 3 and not report["online"]["lossless"]
+    assert report["online"]["mismatch_details"][0]["logit_margin"] > 0  # greedy's token really scores higher
 
 
 # ----------------------------------------------------------------------------------------------------------
