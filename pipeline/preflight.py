@@ -6,6 +6,8 @@ Contract:
   with the processes holding it. Without nvidia-smi (CPU machines) it checks nothing.
 - `disk_warning(path, bytes_needed)` returns a warning line when the filesystem of a local store has less
   free space than the estimate, else None.
+- `die_with_parent()` asks Linux to SIGTERM the calling process when its parent dies, so workers and DDP
+  ranks never run on as orphans holding GPU memory.
 - `compile_cache_dir(root, key_parts)` is a directory keyed by what produced the artifacts (torch version,
   dflash version, the model configuration); different code never shares a cache, so nobody deletes one
   by hand. `rebuild=True` empties it first.
@@ -13,9 +15,11 @@ Contract:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -93,3 +97,12 @@ def compile_cache_dir(root: Path, key_parts: dict, rebuild: bool = False) -> Pat
     d.mkdir(parents=True, exist_ok=True)
     (d / "key.json").write_text(json.dumps(key_parts, sort_keys=True, default=str, indent=1))
     return d
+
+
+def die_with_parent() -> None:
+    """PR_SET_PDEATHSIG(SIGTERM): the kernel signals us when the process that started us exits (Linux only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass

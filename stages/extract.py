@@ -177,6 +177,10 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     _disk_check(store_path, provenance, samples, num_shards, todo)
     resume_hint = f"resume with the same command: {command}"
     logs = _log_dir(store_path)
+    from stages.progress import Tee
+
+    if not isinstance(sys.stderr, Tee):  # the parent's own lines go to STORE/logs/extract.log too
+        sys.stderr = Tee(sys.stderr, logs / "extract.log")
     cpu_threads = max(1, (os.cpu_count() or 1) // len(todo))
     procs: dict[int, subprocess.Popen] = {}
     monitor = Monitor(todo)

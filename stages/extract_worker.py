@@ -14,7 +14,6 @@ Started by `dflash extract` (one process per shard, only its GPU visible) or by 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from pipeline import store as st
+from pipeline.preflight import die_with_parent
 from pipeline.config import Config
 from pipeline.encoding import encode, to_storage
 from pipeline.target import (DTYPES, FeatureCapture, capture_features, frozen_head_tensors, load_target,
@@ -37,15 +37,6 @@ from pipeline.target import (DTYPES, FeatureCapture, capture_features, frozen_he
 
 def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent exits; also exit now if it is already gone."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass

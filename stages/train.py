@@ -140,6 +140,10 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         strategy = DDPStrategy(process_group_backend="gloo")
     launcher = "LOCAL_RANK" not in os.environ  # Lightning sets it in the per-rank processes it starts
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+    if not launcher:
+        from pipeline.preflight import die_with_parent
+
+        die_with_parent()  # a rank whose launcher died must not hang on in a collective
     if use_gpu and launcher:  # before any rank touches a GPU
         from pipeline.preflight import check_gpus_free
 

@@ -111,3 +111,23 @@ def test_training_sigterm_stops_all_ranks_with_resume_hint(tmp_path):
     assert not left, f"processes left behind: {left}"
     assert (run / "checkpoints" / "last.ckpt").exists()
     assert (run / "logs" / "rank0.log").exists() and (run / "logs" / "rank1.log").exists()
+
+
+def test_training_parent_kill9_leaves_no_orphans(tmp_path):
+    store = str(tmp_path / "s.zarr")
+    _finish_and_verify(store)
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--devices",
+                          "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--no-export"], cwd=ROOT,
+                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run / "progress.json").exists():
+        time.sleep(0.5)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True).stdout:
+        time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
+    assert not left, f"ranks kept running after the launcher was killed: {left}"
+    assert (store and (Path(store) / "logs" / "extract.log").exists())
