@@ -55,7 +55,7 @@ def main() -> None:
 
     from pipeline import store as st
     from pipeline.config import build_target_layer_ids
-    from pipeline.target import FeatureCapture, capture_features, truncate_layers
+    from pipeline.target import FeatureCapture, truncate_layers
     from stages.extract_worker import pipelined_extract, plan_batches
 
     model, cfg = build_model(a)

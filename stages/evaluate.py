@@ -31,7 +31,6 @@ Contract:
 
 from __future__ import annotations
 
-import csv
 import json
 import sys
 import time
@@ -47,6 +46,7 @@ from pipeline import store as st
 from pipeline.config import Config, ConfigError, config_from_dict, load_config, parse_override
 from pipeline.drafter import draft_blocks
 from pipeline.encoding import decode, from_storage
+from stages.eval_plots import read_metrics, write_plots
 
 MISMATCH_BANNER = "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
 
@@ -468,104 +468,6 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
         "per_prompt": per_prompt,
     }
     return result
-
-
-# ----------------------------------------------------------------------------------------------------------
-# training curves, plots, report
-# ----------------------------------------------------------------------------------------------------------
-
-
-def read_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    path = run_dir / "logs" / "metrics.csv"
-    series: dict[str, list[tuple[int, float]]] = {}
-    if not path.exists():
-        return series
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for key, value in row.items():
-                if key in ("step", "epoch") or value in (None, ""):
-                    continue
-                try:
-                    series.setdefault(key, []).append((step, float(value)))
-                except ValueError:
-                    continue
-    return series
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def write_plots(report: dict, out: Path, metrics: dict) -> list[str]:
-    plt = _plt()
-    files = []
-    off, on = report.get("offline"), report.get("online")
-    bs = report["drafter"]["block_size"]
-    ks = np.arange(1, bs + 1)
-
-    series = []
-    if off:
-        series.append((f"offline uniform (tau {off['tau']:.2f})", off["acceptance_histogram"]))
-        if off.get("serving_walk"):
-            series.append((f"offline serving walk (tau {off['serving_walk']['tau']:.2f})",
-                           off["serving_walk"]["acceptance_histogram"]))
-    if on:
-        series.append((f"online (tau {on['tau']:.2f})", on["acceptance_histogram"]))
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    width = 0.8 / max(len(series), 1)
-    for j, (label, hist) in enumerate(series):
-        h = np.array([hist.get(str(k), 0) for k in ks], dtype=float)
-        ax.bar(ks + (j - (len(series) - 1) / 2) * width, h / max(h.sum(), 1), width=width, label=label)
-    ax.set_xlabel("tokens per block / verify step (accepted drafts + 1)")
-    ax.set_ylabel("fraction of blocks")
-    ax.set_xticks(ks)
-    ax.set_title("acceptance-length distribution")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_histogram.png", dpi=110)
-    plt.close(fig)
-    files.append("acceptance_histogram.png")
-
-    if off:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        slots = np.arange(1, bs)
-        ax.plot(slots, off["slot_accuracy"], "o-", label="offline eval (greedy)")
-        val = [v for k, v in sorted(((int(k.rsplit("slot", 1)[1]), v[-1][1]) for k, v in metrics.items()
-                                     if k.startswith("val/acc_slot")))]
-        if len(val) == bs - 1:
-            ax.plot(slots, val, "s--", alpha=0.7, label="training validation (last)")
-        ax.set_ylim(0, 1.02)
-        ax.set_xticks(slots)
-        ax.set_xlabel("block slot k (predicts token anchor+k)")
-        ax.set_ylabel("accuracy")
-        ax.set_title("per-slot accuracy")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "slot_accuracy.png", dpi=110)
-        plt.close(fig)
-        files.append("slot_accuracy.png")
-
-    if metrics:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
-        for key, ax in (("train/loss", a1), ("val/loss", a1), ("train/tau", a2), ("val/tau", a2)):
-            if key in metrics:
-                s, v = zip(*metrics[key])
-                ax.plot(s, v, "-" if key.startswith("train") else "o-", label=key)
-        for ax, t in ((a1, "loss"), (a2, "tau (from per-slot accuracy)")):
-            ax.set_xlabel("step")
-            ax.set_title(t)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "training_curves.png", dpi=110)
-        plt.close(fig)
-        files.append("training_curves.png")
-    return files
 
 
 def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:

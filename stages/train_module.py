@@ -23,7 +23,7 @@ from pipeline.config import Config
 from pipeline.drafter import DFlashDrafter, DrafterArch
 from pipeline.encoding import decode
 from pipeline.loss import chunked_weighted_ce
-from pipeline.masks import build_blocks, make_attend, padded_len
+from pipeline.masks import build_blocks, make_attend
 
 
 class NonFiniteLoss(RuntimeError):
