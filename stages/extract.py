@@ -234,11 +234,12 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     final = "finished" if all(c == 0 for c in codes.values()) else ("stopped" if interrupted["count"] else "failed")
     err = "; ".join(f"shard {i}: {e}" for i, e in monitor.errors.items())
     monitor.maybe_print(force=True, status_file=status_file, state=final, error=err)
-    bad = [i for i, c in codes.items() if c not in (0, 143) and c is not None and c > 0]
-    if failed is None and bad:
-        failed = bad[0]
+    if failed is None and not interrupted["count"]:  # a worker that ended non-zero without our asking failed
+        failed = next((i for i, c in codes.items() if c != 0), None)
     if failed is not None:
-        err = monitor.errors.get(failed) or _tail(logs / f"extract-shard-{failed:05d}.log")
+        rc = codes[failed]
+        err = monitor.errors.get(failed) or (f"killed by signal {-rc}" if rc is not None and rc < 0 else
+                                             _tail(logs / f"extract-shard-{failed:05d}.log"))
         print(f"extract: shard {failed} failed: {err}\n  log: {logs / f'extract-shard-{failed:05d}.log'}\n"
               f"  committed work is kept; fix the cause and {resume_hint}", file=sys.stderr)
         return 1
