@@ -87,6 +87,29 @@ class DrafterArch:
             mask_token_id=cfg.mask_token_id,
         )
 
+    @classmethod
+    def from_exported(cls, cfg: dict) -> "DrafterArch":
+        """From an exported config.json dict (also what the exported modeling file uses)."""
+        dflash = cfg.get("dflash_config") or {}
+        rope = cfg.get("rope_parameters") or {}
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"],
+            target_layer_ids=list(dflash["target_layer_ids"]),
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta"))),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            layer_types=cfg.get("layer_types"),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
+            mask_token_id=int(dflash["mask_token_id"]),
+            initializer_range=cfg.get("initializer_range", 0.02),
+        )
+
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)

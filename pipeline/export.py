@@ -63,29 +63,6 @@ from .drafter import DFlashDrafter, DrafterArch, RMSNorm
 from .masks import make_attend
 
 
-def arch_from_config(config) -> DrafterArch:
-    dflash = getattr(config, "dflash_config", None) or {}
-    rope = getattr(config, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-    return DrafterArch(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        target_layer_ids=list(dflash["target_layer_ids"]),
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=float(theta),
-        max_position_embeddings=config.max_position_embeddings,
-        layer_types=list(config.layer_types) if getattr(config, "layer_types", None) else None,
-        sliding_window=getattr(config, "sliding_window", None),
-        block_size=int(dflash.get("block_size", getattr(config, "block_size", 16))),
-        mask_token_id=int(dflash["mask_token_id"]),
-        initializer_range=getattr(config, "initializer_range", 0.02),
-    )
-
-
 class DFlashDraftModel(PreTrainedModel):
     config_class = Qwen3Config
     base_model_prefix = "model"
@@ -93,7 +70,7 @@ class DFlashDraftModel(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        self.arch = arch_from_config(config)
+        self.arch = DrafterArch.from_exported(config.to_dict())
         core = DFlashDrafter(self.arch)  # same modules, same names: layers, fc, hidden_norm, norm
         self.layers, self.fc, self.hidden_norm, self.norm = core.layers, core.fc, core.hidden_norm, core.norm
         self.gradient_checkpointing = False
@@ -230,28 +207,6 @@ def export_drafter(
     return out
 
 
-def arch_from_exported_config(cfg: dict) -> DrafterArch:
-    dflash = cfg.get("dflash_config") or {}
-    rope = cfg.get("rope_parameters") or {}
-    return DrafterArch(
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-        target_layer_ids=list(dflash["target_layer_ids"]),
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta"))),
-        max_position_embeddings=cfg["max_position_embeddings"],
-        layer_types=cfg.get("layer_types"),
-        sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
-        block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
-        mask_token_id=int(dflash["mask_token_id"]),
-        initializer_range=cfg.get("initializer_range", 0.02),
-    )
-
-
 def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
     """Load an exported directory into our own module: (DFlashDrafter, DrafterArch, meta: the config dict,
     plus dflash_meta.json's content under "dflash_meta" when present). Keys must match the contract exactly."""
@@ -259,7 +214,7 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     meta = json.loads((path / "config.json").read_text())
     if "partial_rotary_factor" in meta:
         raise ValueError(f"{path}/config.json has partial_rotary_factor: the drafter uses full rotary embeddings")
-    arch = arch_from_exported_config(meta)
+    arch = DrafterArch.from_exported(meta)
     state = load_file(str(path / "model.safetensors"))
     expected = contract_keys(arch.num_hidden_layers)
     if sorted(state) != expected:
