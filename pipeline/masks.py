@@ -170,31 +170,20 @@ def padded_len(n: int, multiple: int = FLEX_BLOCK) -> int:
     return int(math.ceil(n / multiple) * multiple)
 
 
-_COMPILED_CREATE_BLOCK_MASK = None
-_COMPILED_FLEX = None
+_COMPILED: dict = {}  # name -> torch.compile'd function, one per process
 
 
-def _create_block_mask_fn(compile: bool):
-    """create_block_mask, compiled once per process when asked (eager materialises the dense Q x KV grid)."""
-    global _COMPILED_CREATE_BLOCK_MASK
-    from torch.nn.attention.flex_attention import create_block_mask
+def _flex_api(name: str, compile: bool):
+    """flex_attention / create_block_mask, compiled once per process when asked (eager create_block_mask
+    materialises the dense Q x KV grid; eager flex_attention is a slow reference)."""
+    import torch.nn.attention.flex_attention as fa
 
+    fn = getattr(fa, name)
     if not compile:
-        return create_block_mask
-    if _COMPILED_CREATE_BLOCK_MASK is None:
-        _COMPILED_CREATE_BLOCK_MASK = torch.compile(create_block_mask)
-    return _COMPILED_CREATE_BLOCK_MASK
-
-
-def _flex_fn(compile: bool):
-    global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not compile:
-        return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention)
-    return _COMPILED_FLEX
+        return fn
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn)
+    return _COMPILED[name]
 
 
 def flex_block_mask(
@@ -220,7 +209,7 @@ def flex_block_mask(
         anchors = torch.cat([anchors, anchors.new_full((B, a_pad - A), -1)], dim=1)
     mod = dflash_mask_mod(anchors.long(), _seq_lens(seq_lens, B, ctx_len, dev), ctx_len, block_size, window)
     compile = (dev.type == "cuda") if compile is None else compile
-    return _create_block_mask_fn(compile)(mod, B, None, q_len, kv_len, device=dev)
+    return _flex_api("create_block_mask", compile)(mod, B, None, q_len, kv_len, device=dev)
 
 
 def make_attend(
@@ -261,7 +250,7 @@ def make_attend(
 
     compile = (anchors.device.type == "cuda") if compile is None else compile
     masks = {t: flex_block_mask(anchors, block_size, ctx_len, seq_lens, w, compile) for t, w in windows.items()}
-    flex = _flex_fn(compile)
+    flex = _flex_api("flex_attention", compile)
 
     def attend_flex(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor:
         Q, KV = q.shape[2], k.shape[2]
