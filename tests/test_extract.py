@@ -273,3 +273,42 @@ def test_nonfinite_samples_are_skipped_and_counted(tmp_path, monkeypatch):
     reader = st.StoreReader(store)
     skipped = reader.progress[0].nonfinite_skipped
     assert skipped >= 1 and len(reader.samples) == 20 - skipped
+
+
+def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch):
+    """A write that fails with ENOSPC after the first commit: clear error, committed part valid, rerun finishes."""
+    import errno
+
+    import stages.extract_worker as w
+    from data.ingest import ingest
+    from pipeline.target import load_tokenizer
+    from stages.extract import build_provenance
+
+    cfg = load_config(TINY, ["data.max_samples=40", "extract.token_budget=512"])
+    store = str(tmp_path / "full.zarr")
+    tok = load_tokenizer(cfg.target.path)
+    samples, _ = ingest(cfg.data, tok)
+    st.create_or_open_store(store, build_provenance(cfg, tok, samples, 1, "test"))
+    real_write = st.ShardWriter.write_batch
+    calls = {"n": 0}
+
+    def full_after_one(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(st.ShardWriter, "write_batch", full_after_one)
+    monkeypatch.setattr(w, "die_with_parent", lambda: None)
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(st.StoreError, match="No space left on device.*intact.*resume"):
+            w.run_shard(cfg, 0, 1, store)
+        committed = st.StoreReader(store, require_complete=False)
+        assert committed.progress[0].committed_batches == 1 and not committed.progress[0].done
+        monkeypatch.setattr(st.ShardWriter, "write_batch", real_write)
+        assert w.run_shard(cfg, 0, 1, store) == 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert len(st.StoreReader(store).samples) == 40
