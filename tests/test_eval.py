@@ -20,7 +20,6 @@ from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, specu
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-TINY_TARGET = ROOT / "data" / "assets" / "tiny-target" / "config.json"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,7 +236,6 @@ def test_offline_eval_real_drafter_context_is_strictly_before_anchor():
         assert torch.equal(batched[i], alone[0])  # features (and anything after it) are invisible
 
 
-@pytest.mark.skipif(not TINY_TARGET.exists(), reason="the embedded tiny target (data/assets/tiny-target) is missing")
 def test_eval_reports_a_lossless_violation_loudly(monkeypatch, tmp_path, capsys):
     """An exported (random) drafter, online only (no store): a decoder that corrupts its output must make the
     eval fail with exit code 1 and a banner, and the report must carry the mismatch."""
@@ -295,7 +293,6 @@ def _sets(items):
     return [x for item in items for x in ("--set", item)]
 
 
-@pytest.mark.skipif(not TINY_TARGET.exists(), reason="the embedded tiny target (data/assets/tiny-target) is missing")
 def test_quality_regression_tiny(tmp_path):
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
     _dflash("extract", "--config", TINY, "--shards", "1", "--store", store,
@@ -317,3 +314,9 @@ def test_quality_regression_tiny(tmp_path):
     assert set(report["plots"]) >= {"acceptance_histogram.png", "slot_accuracy.png", "training_curves.png"}
     for name in report["plots"]:
         assert (out / name).stat().st_size > 5000
+    # the same drafter evaluated from its training checkpoint (fp32) instead of the export (bf16 weights)
+    out_ckpt = tmp_path / "eval-ckpt"
+    _dflash("eval", str(run / "checkpoints" / "last.ckpt"), "--store", store, "--out", str(out_ckpt),
+            "--set", "eval.max_anchors_per_sample=32")
+    off_ckpt = json.loads((out_ckpt / "report.json").read_text())["offline"]
+    assert abs(off_ckpt["tau"] - off["tau"]) < 0.05 * off["tau"], (off_ckpt["tau"], off["tau"])
