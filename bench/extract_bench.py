@@ -103,12 +103,12 @@ def main() -> None:
         writer = st.ShardWriter(path, 0, prov)
         busy = [0.0]
 
-        def on_batch(members, feats, scales, bad, writer=writer):
+        def on_batch(members, parts, bad, writer=writer):
             t = time.perf_counter()
-            T = feats.shape[0]
+            T = parts["features"].shape[0]
             writer.write_batch(np.arange(len(members), dtype=np.uint64), np.zeros(len(members), np.uint8),
                                np.array([0] * (len(members) - 1) + [T], np.int32), np.zeros(T, np.int32),
-                               np.ones(T, np.uint8), feats, scales)
+                               np.ones(T, np.uint8), parts)
             busy[0] += time.perf_counter() - t
 
         capture = FeatureCapture(model, layer_ids)

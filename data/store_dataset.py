@@ -4,7 +4,7 @@ Contract:
 - `StoreDataset` opens the store lazily, inside whichever process first reads (DataLoader workers open their
   own: zarr's event loop and fsspec are not fork-safe). Items are `(sample_index, epoch)` so anchors are
   drawn fresh each epoch yet reproducibly (seeded by seed, epoch and sample id).
-- Features leave the loader still encoded (bf16 bits or fp8 + scales): decoding happens on the GPU.
+- Features leave the loader still encoded (the encoding's parts, pipeline.encoding): decoding happens on the GPU.
 - `RankBatchSampler` gives every rank the same number of batches per epoch (the last few batches of a
   shuffled epoch are dropped so the count divides the world size), groups samples of similar length to
   limit padding, and can skip the batches of an epoch that a resumed run already trained on.
@@ -20,8 +20,11 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from pipeline.encoding import from_storage
 from pipeline.masks import sample_anchors
 from pipeline.store import StoreReader
+
+PARTS = ("features", "scales", "outliers")  # encoded parts a sample may carry (pipeline.encoding)
 
 
 class StoreDataset(torch.utils.data.Dataset):
@@ -54,15 +57,14 @@ class StoreDataset(torch.utils.data.Dataset):
         g = torch.Generator().manual_seed(hash((self.seed, 0 if self.fixed_anchors else epoch, sid)) & 0x7FFFFFFF)
         loss_mask = torch.from_numpy(s["loss_mask"].astype(np.bool_))
         anchors = sample_anchors(loss_mask, self.num_anchors, g)
-        feats = s["features"]
         item = {
             "tokens": torch.from_numpy(s["tokens"].astype(np.int64)),  # [S]
             "loss_mask": loss_mask,  # [S] bool
-            "features": torch.from_numpy(feats.view(np.int16) if feats.dtype == np.uint16 else feats),  # [S, L, H]
             "anchors": anchors,  # [A] sorted
         }
-        if "scales" in s:
-            item["scales"] = torch.from_numpy(s["scales"])  # [S, L]
+        for name in PARTS:
+            if name in s:  # the encoding's parts, still encoded: features [S, L, ...], scales, outliers
+                item[name] = from_storage(s[name])
         return item
 
 
@@ -160,23 +162,22 @@ def collate(items: list[dict], pad_multiple: int = 1, num_anchors: Optional[int]
     S = max(len(it["tokens"]) for it in items)
     S = int(math.ceil(S / pad_multiple) * pad_multiple)
     A = num_anchors or max(1, max(len(it["anchors"]) for it in items))
-    L, H = items[0]["features"].shape[1:]
     out = {
         "tokens": torch.zeros(B, S, dtype=torch.long),
         "loss_mask": torch.zeros(B, S, dtype=torch.bool),
-        "features": torch.zeros(B, S, L, H, dtype=items[0]["features"].dtype),
         "anchors": torch.full((B, A), -1, dtype=torch.long),
         "seq_lens": torch.tensor([len(it["tokens"]) for it in items], dtype=torch.long),
     }
-    if "scales" in items[0]:
-        out["scales"] = torch.ones(B, S, L, dtype=torch.float32)
+    parts = [k for k in PARTS if k in items[0]]
+    for k in parts:  # padding tokens decode to finite values (scales 1, codes 0) and are masked out
+        t = items[0][k]
+        out[k] = (torch.ones if k == "scales" else torch.zeros)(B, S, *t.shape[1:], dtype=t.dtype)
     for b, it in enumerate(items):
         n = len(it["tokens"])
         out["tokens"][b, :n] = it["tokens"]
         out["loss_mask"][b, :n] = it["loss_mask"]
-        out["features"][b, :n] = it["features"]
         a = it["anchors"][:A]
         out["anchors"][b, : len(a)] = a
-        if "scales" in it:
-            out["scales"][b, :n] = it["scales"]
+        for k in parts:
+            out[k][b, :n] = it[k]
     return out

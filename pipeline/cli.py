@@ -13,6 +13,7 @@ from typing import Optional
 import click
 
 from pipeline.config import CONFIGS_DIR, ConfigError, load_config
+from pipeline.encoding import ENCODINGS
 
 DEFAULT_CONFIG = str(CONFIGS_DIR / "tiny.yaml")
 
@@ -173,6 +174,20 @@ def verify(store):
     from stages.store_tools import verify_store
 
     _run(verify_store, store)
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--encoding", required=True, type=click.Choice(list(ENCODINGS)),
+              help="Feature encoding of DST (see pipeline/encoding.py; int5 is the studied default trade-off).")
+@click.option("--clevel", type=int, default=None, help="zstd level of DST (default: SRC's).")
+@click.option("--device", default=None, help="cpu or cuda[:i] for decoding/encoding (default: cuda when available).")
+def recode(src, dst, encoding, clevel, device):
+    """Convert a finished store SRC to another feature encoding in DST, without the target. Resumable."""
+    from stages.recode import run_recode
+
+    _run(run_recode, src, dst, encoding, clevel, device)
 
 
 @main.command("eval")

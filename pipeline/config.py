@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import yaml
 
+from pipeline.encoding import ENCODINGS
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key, the file and the fix."""
@@ -56,7 +58,8 @@ class DataConfig:
 @dataclass
 class StoreConfig:
     path: str = "runs/store.zarr"  # local path or fsspec URL
-    encoding: str = "bf16"  # bf16 (lossless) | fp8 (e4m3, scale per token and layer)
+    encoding: str = "bf16"  # bf16 (lossless) | fp8 (e4m3, scale per token and layer) | int8/6/5/4 (group-32
+    #                         scales + 4 exact outliers per token and layer); see pipeline/encoding.py
     chunk_tokens: int = 256  # rows (tokens) per Zarr chunk of the feature array
     clevel: int = 1  # zstd level inside blosc: 1 is ~2.7x faster than 3 for ~5% more bytes (docs/benchmarks.md)
 
@@ -136,7 +139,7 @@ class Config:
 
 
 _CHOICES = {
-    ("store", "encoding"): ("bf16", "fp8"),
+    ("store", "encoding"): ENCODINGS,
     ("data", "on_bad_row"): ("error", "skip"),
     ("train", "compile"): ("auto", "on", "off"),
     ("train", "precision"): ("bf16-mixed", "32-true", "bf16-true"),

@@ -1,58 +1,145 @@
 """Feature encodings: how target hidden states become store bytes and back, on the device that holds them.
 
+An encoding turns features x [T, L, H] (T tokens, L captured layers, H hidden) into named *parts*, each a
+tensor with T rows that the store keeps as one array (pipeline.store owns the arrays; this module owns
+what is in them):
+
+    encoding  parts (per token)                                  bits/value before entropy coding
+    bf16      features int16 [L, H]  bf16 bit patterns (lossless)                        16
+    fp8       features uint8 [L, H]  float8_e4m3fn bits; scales float32 [L]               8.006 (H=5120)
+              x ~= fp8 * scale, scale = amax over H / 448 (per token and layer)
+    intN      features uint8 [L, N*H/8]  N bit planes of the offset codes, 8 channels a byte
+    (N=4..8)  scales float16 [L, H/32]   one per group of 32 channels: amax / (2^(N-1)-1)
+              outliers int32 [L, 4]      the 4 largest |x| of each token and layer, exact:
+                                         (channel << 16) | bf16 bits                     N + 0.525 (H=5120)
+
+intN is symmetric round-to-nearest with small group scales (GPTQ/AWQ-style groups of 32), plus the 4
+largest-magnitude values of each token and layer kept exactly and zeroed before quantising. Large models
+carry a few "massive activation" channels at 100-1000x the typical magnitude: without the outlier
+parts, the group holding such a channel would quantise its 31 neighbours to zero.
+
 Contract:
-- `encode(x, encoding)` takes features [T, L, H] in any float dtype on any device and returns
-  (payload, scales): `bf16` -> int16 bit patterns of the bf16 values [T, L, H] (lossless for bf16
-  inputs), scales None; `fp8` -> uint8 bit patterns of float8_e4m3fn [T, L, H] and float32 scales [T, L]
-  with x ~= fp8 * scale, scale = amax over H / 448 (per token and layer; all-zero rows get scale 1).
-- `decode(payload, scales, encoding, dtype)` inverts it on whatever device the payload is on (training
-  decodes on the GPU, after the copy, so the CPU never touches float conversions).
-- Payloads are exactly what the store holds (uint16 is stored for bf16: the same bits as int16).
+- `encode(x, encoding)` -> dict of parts on x's device; `decode(parts, encoding, dtype)` inverts it on
+  whatever device the parts are on (training decodes on the GPU after the copy; the CPU only moves bytes).
+  Parts may carry any leading dims ([T, ...] or [B, S, ...]).
+- `parts_spec(encoding, L, H)` gives each part's per-token shape and numpy storage dtype; `to_storage` /
+  `from_storage` convert between torch parts and the numpy arrays the store holds (uint16 for bf16 bits).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping
 
 import numpy as np
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+GROUP = 32  # channels per scale in the intN encodings
+OUTLIERS = 4  # exact values kept per token and layer in the intN encodings
+INT_BITS = {"int8": 8, "int6": 6, "int5": 5, "int4": 4}
+ENCODINGS = ("bf16", "fp8", *INT_BITS)
+_FP16_MAX, _FP16_TINY = 65504.0, 2.0**-24
 
 
-def encode(x: torch.Tensor, encoding: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def check(encoding: str, hidden_size: int) -> None:
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown feature encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
+    if encoding in INT_BITS and hidden_size % GROUP:
+        raise ValueError(f"encoding {encoding!r} needs a hidden size divisible by {GROUP} (got {hidden_size}); "
+                         "use bf16 or fp8 for this target")
+
+
+def parts_spec(encoding: str, L: int, H: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape of one token's part, numpy dtype the store holds)."""
+    check(encoding, H)
     if encoding == "bf16":
-        return x.to(torch.bfloat16).contiguous().view(torch.int16), None
+        return {"features": ((L, H), "uint16")}
+    if encoding == "fp8":
+        return {"features": ((L, H), "uint8"), "scales": ((L,), "float32")}
+    n = INT_BITS[encoding]
+    return {"features": ((L, n * H // 8), "uint8"), "scales": ((L, H // GROUP), "float16"),
+            "outliers": ((L, OUTLIERS), "int32")}
+
+
+def raw_bytes_per_token(encoding: str, L: int, H: int) -> int:
+    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in parts_spec(encoding, L, H).values())
+
+
+def encode(x: torch.Tensor, encoding: str) -> dict[str, torch.Tensor]:
+    """x [..., L, H] any float dtype -> parts (see the table above)."""
+    check(encoding, x.shape[-1])
+    if encoding == "bf16":
+        return {"features": x.to(torch.bfloat16).contiguous().view(torch.int16)}
     if encoding == "fp8":
         xf = x.float()
-        amax = xf.abs().amax(dim=-1)  # [T, L]
+        amax = xf.abs().amax(dim=-1)  # [..., L]
         scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         q = (xf / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return q.view(torch.uint8), scales.contiguous()
-    raise ValueError(f"unknown feature encoding {encoding!r}")
+        return {"features": q.view(torch.uint8), "scales": scales.contiguous()}
+    return _encode_int(x, INT_BITS[encoding])
 
 
-def decode(payload: torch.Tensor, scales: Optional[torch.Tensor], encoding: str,
-           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """payload [..., L, H] (int16/uint16 view for bf16, uint8 for fp8) -> features [..., L, H] in `dtype`."""
+def decode(parts: Mapping[str, torch.Tensor], encoding: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """parts (as `encode` returns them, or `from_storage` of the store's arrays) -> features [..., L, H]."""
+    f = parts["features"]
     if encoding == "bf16":
-        if payload.dtype != torch.int16:
-            payload = payload.view(torch.int16)
-        return payload.view(torch.bfloat16).to(dtype)
+        return (f if f.dtype == torch.int16 else f.view(torch.int16)).view(torch.bfloat16).to(dtype)
     if encoding == "fp8":
-        x = payload.view(torch.float8_e4m3fn).to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)
+        x = f.view(torch.float8_e4m3fn).to(torch.float32) * parts["scales"].to(torch.float32).unsqueeze(-1)
         return x.to(dtype)
-    raise ValueError(f"unknown feature encoding {encoding!r}")
+    if encoding in INT_BITS:
+        return _decode_int(f, parts["scales"], parts["outliers"], INT_BITS[encoding]).to(dtype)
+    raise ValueError(f"unknown feature encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
 
 
-def to_storage(payload: torch.Tensor) -> np.ndarray:
-    """A CPU payload as the numpy dtype the store holds (uint16 for bf16 bits, uint8 for fp8 bits)."""
-    arr = payload.numpy()
+def _bit_weights(device) -> torch.Tensor:
+    return (2 ** torch.arange(8, device=device)).to(torch.uint8)  # [8]
+
+
+def _encode_int(x: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    *lead, H = x.shape
+    qmax = 2 ** (n - 1) - 1
+    xf = x.to(torch.bfloat16).float()  # outliers are stored as bf16: take them from the bf16 values
+    top = xf.abs().topk(OUTLIERS, dim=-1).indices  # [..., K]
+    vals = xf.gather(-1, top)  # [..., K]
+    xf = xf.scatter(-1, top, 0.0)
+    g = xf.unflatten(-1, (H // GROUP, GROUP))  # [..., H/G, G]
+    s = (g.abs().amax(-1) / qmax).clamp(_FP16_TINY, _FP16_MAX).to(torch.float16)  # [..., H/G]
+    q = (g / s.float().unsqueeze(-1)).round().clamp(-qmax, qmax)
+    u = (q + qmax).to(torch.uint8).flatten(-2).unflatten(-1, (H // 8, 8))  # [..., H/8, 8] offset codes
+    w = _bit_weights(x.device)
+    planes = torch.stack([(((u >> b) & 1) * w).sum(-1, dtype=torch.uint8) for b in range(n)], dim=-2)  # [..., n, H/8]
+    bits = vals.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return {"features": planes.flatten(-2).contiguous(), "scales": s.contiguous(),
+            "outliers": ((top.to(torch.int32) << 16) | bits).contiguous()}
+
+
+def _decode_int(f: torch.Tensor, scales: torch.Tensor, outliers: torch.Tensor, n: int) -> torch.Tensor:
+    *lead, W = f.shape
+    H = W * 8 // n
+    qmax = 2 ** (n - 1) - 1
+    planes = f.unflatten(-1, (n, H // 8))  # [..., n, H/8]
+    w = _bit_weights(f.device)
+    u = torch.zeros(*lead, H // 8, 8, dtype=torch.uint8, device=f.device)
+    for b in range(n):
+        u |= ((planes[..., b, :, None] & w) != 0).to(torch.uint8) << b  # [..., H/8, 8]
+    q = u.flatten(-2).float() - qmax  # [..., H]
+    x = (q.unflatten(-1, (H // GROUP, GROUP)) * scales.float().unsqueeze(-1)).flatten(-2)
+    o = outliers.to(torch.int32)
+    idx = ((o >> 16) & 0xFFFF).long()
+    lo = o & 0xFFFF
+    val = (lo - (lo >= 32768).to(torch.int32) * 65536).to(torch.int16).view(torch.bfloat16).float()
+    return x.scatter(-1, idx, val)
+
+
+def to_storage(part: torch.Tensor) -> np.ndarray:
+    """A CPU part as the numpy dtype the store holds (uint16 for bf16 bits; others unchanged)."""
+    arr = part.numpy()
     return arr.view(np.uint16) if arr.dtype == np.int16 else arr
 
 
 def from_storage(arr: np.ndarray) -> torch.Tensor:
-    """Store numpy (uint16/uint8) -> a CPU tensor that `decode` accepts, without copying."""
+    """A store array -> a CPU tensor that `decode` accepts, without copying."""
     if arr.dtype == np.uint16:
         arr = arr.view(np.int16)
     return torch.from_numpy(np.ascontiguousarray(arr))

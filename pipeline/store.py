@@ -7,9 +7,9 @@ Layout (Zarr v3, zarr-python 3), `schema_version` 1:
     STORE/shards/NNNNN/             one group per extract shard, written ONLY by that shard's worker
         tokens     int32  [T]          token ids, all samples of the shard back to back (token-major)
         loss_mask  uint8  [T]          1 = supervised (assistant) token
-        features   uint16 [T, L, H]    bf16 bit patterns  (encoding "bf16")
-                   uint8  [T, L, H]    float8_e4m3fn bits (encoding "fp8")
-        scales     float32 [T, L]      fp8 only: per token and layer, x ~= fp8 * scale
+        features   [T, L, ...]         the encoded features; with the other parts of the store's encoding
+        scales     [T, L, ...]         (fp8, intN only) and outliers [T, L, 4] (intN only): shapes and dtypes
+                                       per encoding in pipeline.encoding (bf16: uint16 [T, L, H] bf16 bits)
         sample_start  int64 [N]        first token of each sample in this shard's token arrays
         sample_length int32 [N]
         sample_id     uint64 [N]       the ingest's content hash (16 hex digits)
@@ -38,10 +38,11 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pipeline.encoding import ENCODINGS, parts_spec
+
 SCHEMA_VERSION = 1
 FROZEN_HEAD_FILE = "frozen_head.safetensors"
 SHARDS_GROUP = "shards"
-ENCODINGS = ("bf16", "fp8")
 SPLITS = {"train": 0, "validation": 1}
 SAMPLE_CHUNK = 8192  # rows per chunk of the per-sample arrays
 
@@ -71,6 +72,11 @@ def feature_dtype(encoding: str) -> str:
     if encoding not in ENCODINGS:
         raise StoreError(f"unknown feature encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
     return "uint16" if encoding == "bf16" else "uint8"
+
+
+def token_arrays(encoding: str) -> tuple[str, ...]:
+    """The per-token arrays of a shard (rows = tokens) for this encoding."""
+    return ("tokens", "loss_mask", *parts_spec(encoding, 1, 32))
 
 
 def is_local(path: str) -> bool:
@@ -206,18 +212,18 @@ class ShardWriter:
         clevel = int(root_attrs.get("clevel", 3))
         root = zarr.open_group(path, mode="a")
         g = root.require_group(shard_name(shard_index))
-        fdt = feature_dtype(self.encoding)
         specs = {
             "tokens": ((0,), (chunk * 16,), "int32"),
             "loss_mask": ((0,), (chunk * 16,), "uint8"),
-            "features": ((0, L, H), (chunk, L, H), fdt),
             "sample_start": ((0,), (SAMPLE_CHUNK,), "int64"),
             "sample_length": ((0,), (SAMPLE_CHUNK,), "int32"),
             "sample_id": ((0,), (SAMPLE_CHUNK,), "uint64"),
             "split": ((0,), (SAMPLE_CHUNK,), "uint8"),
         }
-        if self.encoding == "fp8":
-            specs["scales"] = ((0, L), (chunk * 4, L), "float32")
+        for name, (shape, dtype) in parts_spec(self.encoding, L, H).items():
+            rows = chunk if name == "features" else chunk * 4  # small parts: fewer, larger chunks
+            specs[name] = ((0, *shape), (rows, *shape), dtype)
+        self.parts = tuple(parts_spec(self.encoding, L, H))
         self.arrays = {}
         existing = set(g.array_keys())
         for name, (shape, chunks, dtype) in specs.items():
@@ -251,8 +257,7 @@ class ShardWriter:
         lengths: np.ndarray,  # int32 [n]
         tokens: np.ndarray,  # int32 [T]
         loss_mask: np.ndarray,  # uint8 [T]
-        features: np.ndarray,  # uint16/uint8 [T, L, H]
-        scales: Optional[np.ndarray],  # float32 [T, L] (fp8) or None
+        parts: dict[str, np.ndarray],  # the encoding's parts, each [T, ...] (features, scales, outliers)
         nonfinite_skipped: int = 0,
     ) -> Progress:
         """Write one batch after the last commit, then commit it. Safe to kill at any point."""
@@ -260,9 +265,10 @@ class ShardWriter:
         n, T = len(sample_ids), len(tokens)
         t0, s0 = p.committed_tokens, p.committed_samples
         if T:
-            for name, data in (("tokens", tokens), ("loss_mask", loss_mask), ("features", features)) + (
-                (("scales", scales),) if self.encoding == "fp8" else ()
-            ):
+            missing = set(self.parts) - set(parts)
+            if missing:
+                raise StoreError(f"batch for shard {self.index} lacks the {sorted(missing)} part(s) of encoding {self.encoding}")
+            for name, data in [("tokens", tokens), ("loss_mask", loss_mask)] + [(k, parts[k]) for k in self.parts]:
                 arr = self.arrays[name]
                 arr.resize((t0 + T,) + arr.shape[1:])
                 arr[t0 : t0 + T] = data
@@ -348,14 +354,11 @@ class StoreReader:
         return [i for i, r in enumerate(self.samples) if r.split == code]
 
     def read(self, index: int) -> dict[str, np.ndarray]:
-        """One sample: tokens int32 [S], loss_mask uint8 [S], features uint16/uint8 [S, L, H], scales [S, L]."""
+        """One sample: tokens int32 [S], loss_mask uint8 [S] and the encoding's parts (features, ...) [S, ...]."""
         r = self.samples[index]
         g = self.shards[r.shard]
         sl = slice(r.start, r.start + r.length)
-        out = {"tokens": g["tokens"][sl], "loss_mask": g["loss_mask"][sl], "features": g["features"][sl]}
-        if self.encoding == "fp8":
-            out["scales"] = g["scales"][sl]
-        return out
+        return {name: g[name][sl] for name in token_arrays(self.encoding)}
 
 
 def frozen_head_path(store_path: str) -> str:

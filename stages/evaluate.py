@@ -251,9 +251,8 @@ def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tens
 def store_samples(reader: st.StoreReader, indices: list[int], device: torch.device, dtype: torch.dtype):
     for i in indices:
         s = reader.read(i)
-        payload = from_storage(s["features"]).to(device)
-        scales = torch.from_numpy(s["scales"]).to(device) if "scales" in s else None
-        feats = decode(payload, scales, reader.encoding, dtype).flatten(1)  # [S, L*H]
+        parts = {k: from_storage(v).to(device) for k, v in s.items() if k not in ("tokens", "loss_mask")}
+        feats = decode(parts, reader.encoding, dtype).flatten(1)  # [S, L*H]
         yield {"tokens": torch.from_numpy(s["tokens"].astype(np.int64)),
                "loss_mask": torch.from_numpy(s["loss_mask"].astype(np.bool_)), "features": feats}
 
@@ -412,8 +411,10 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     encoded = [(sid, render(m)) for sid, m in prompts]
+    # Serving hands the drafter the target's bf16 hidden states, whatever encoding the store used in training:
+    # online tau measures how a drafter trained on (possibly lossy) stored features does on the real ones.
     spec_kw = dict(layer_ids=arch.target_layer_ids, block_size=arch.block_size, stop_ids=stops,
-                   feature_encoding=encoding, feature_dtype=dtype)
+                   feature_encoding="bf16", feature_dtype=dtype)
     # warm-up (untimed): first calls allocate and initialise kernels
     greedy_decode(runner, encoded[0][1], min(8, max_new_tokens), stops)
     speculative_decode(runner, draft_fn, encoded[0][1], max_new_tokens=min(8, max_new_tokens), **spec_kw)

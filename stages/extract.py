@@ -29,6 +29,8 @@ from typing import Optional
 from pipeline import __version__
 from pipeline import store as st
 from pipeline.config import Config
+from pipeline.encoding import check as check_encoding
+from pipeline.encoding import parts_spec, raw_bytes_per_token
 from pipeline.target import load_tokenizer, resolve_layer_ids, target_fingerprint, tokenizer_fingerprint
 
 
@@ -41,6 +43,10 @@ def build_provenance(cfg: Config, tokenizer, samples, num_shards: int, command: 
 
     tfp = target_fingerprint(cfg.target.path)
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, tfp["num_hidden_layers"], cfg.target.num_feature_layers)
+    try:
+        check_encoding(cfg.store.encoding, tfp["hidden_size"])
+    except ValueError as e:
+        raise st.StoreError(f"store.encoding: {e}") from None
     tok = tokenizer_fingerprint(tokenizer)
     tok["enable_thinking"] = cfg.data.enable_thinking
     n_val = sum(s.split == "validation" for s in samples)
@@ -52,7 +58,8 @@ def build_provenance(cfg: Config, tokenizer, samples, num_shards: int, command: 
         "hidden_size": tfp["hidden_size"],
         "encoding": cfg.store.encoding,
         "feature_dtype": st.feature_dtype(cfg.store.encoding),
-        "feature_layout": "[tokens, len(layer_ids), hidden_size]; fp8 adds scales [tokens, len(layer_ids)]",
+        "feature_layout": {k: [list(shape), dt] for k, (shape, dt) in parts_spec(
+            cfg.store.encoding, len(layer_ids), tfp["hidden_size"]).items()},  # per token; see pipeline/encoding.py
         "chunk_tokens": cfg.store.chunk_tokens,
         "clevel": cfg.store.clevel,
         "tokenizer": tok,
@@ -268,7 +275,8 @@ def _disk_check(store_path: str, prov: dict, samples, num_shards: int, todo: lis
     done = _shard_tokens(store_path, num_shards)
     mine = sum(len(s.input_ids) for j, s in enumerate(samples) if j % num_shards in todo)
     left = max(0, mine - sum(done.get(i, 0) for i in todo))
-    per_tok = len(prov["layer_ids"]) * prov["hidden_size"] * (2 * 0.8 if prov["encoding"] == "bf16" else 1.0)
+    raw = raw_bytes_per_token(prov["encoding"], len(prov["layer_ids"]), prov["hidden_size"])
+    per_tok = raw * (0.8 if prov["encoding"] == "bf16" else 1.0)  # lossless coding gains ~1.25x on bf16 only
     warning = disk_warning(store_path, left * per_tok)
     if warning:
         print(warning, file=sys.stderr)

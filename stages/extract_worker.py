@@ -79,8 +79,8 @@ def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: tor
                       queue_depth: int = 3, should_stop=lambda: False) -> None:
     """Forward each batch and hand its features to `on_batch` on a writer thread, overlapped.
 
-    batches yields (meta, input_ids [B, S] long CPU right-padded, lengths [B]). on_batch(meta, payload
-    np [T, L, H], scales np [T, L] | None, bad np.bool_ [B]) runs on the writer thread, in order, with the
+    batches yields (meta, input_ids [B, S] long CPU right-padded, lengths [B]). on_batch(meta, parts
+    {name: np [T, ...]} (pipeline.encoding), bad np.bool_ [B]) runs on the writer thread, in order, with the
     tokens of samples whose features are not finite already removed (bad marks them). On CUDA the
     device-to-host copy runs on a side stream into pinned memory; at most queue_depth batches are in flight.
     """
@@ -96,16 +96,15 @@ def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: tor
             if errors:
                 continue
             try:
-                meta, lens, event, payload, scales, bad = item
+                meta, lens, event, parts, bad = item
                 if event is not None:
                     event.synchronize()
-                feats = to_storage(payload)
-                sc = scales.numpy() if scales is not None else None
+                arrays = {k: to_storage(v) for k, v in parts.items()}
                 bad = bad.numpy()
                 if bad.any():  # rare: drop the samples whose features are not finite
                     keep_tok = np.repeat(~bad, np.asarray(lens))
-                    feats, sc = feats[keep_tok], (sc[keep_tok] if sc is not None else None)
-                on_batch(meta, feats, sc, bad)
+                    arrays = {k: v[keep_tok] for k, v in arrays.items()}
+                on_batch(meta, arrays, bad)
             except BaseException as e:  # noqa: BLE001 - surfaced by the main thread
                 errors.append(e)
 
@@ -125,25 +124,22 @@ def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: tor
             sample_of_tok = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(lens, device=device))
             bad = torch.zeros(B, dtype=torch.int32, device=device).index_add_(
                 0, sample_of_tok, (~tok_ok).to(torch.int32)) > 0  # [B] sample has a NaN/Inf feature
-            payload, scales = encode(flat, encoding)
+            parts = encode(flat, encoding)
             if cuda:
                 done = torch.cuda.Event()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    host_p = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-                    host_p.copy_(payload, non_blocking=True)
-                    host_s = None
-                    if scales is not None:
-                        host_s = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
-                        host_s.copy_(scales, non_blocking=True)
+                    host = {}
+                    for k, t in parts.items():
+                        host[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                        host[k].copy_(t, non_blocking=True)
                     host_b = bad.to("cpu", non_blocking=True)
                     done.record(side)
-                for t in (payload, scales, bad):
-                    if t is not None:
-                        t.record_stream(side)
-                q.put((meta, lens, done, host_p, host_s, host_b))
+                for t in (*parts.values(), bad):
+                    t.record_stream(side)
+                q.put((meta, lens, done, host, host_b))
             else:
-                q.put((meta, lens, None, payload, scales, bad))
+                q.put((meta, lens, None, parts, bad))
     finally:
         q.put(None)
         thread.join()
@@ -208,7 +204,7 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -
                 ids[r, : lengths[m]] = torch.from_numpy(mine[m].input_ids.astype(np.int64))
             yield members, ids, [lengths[m] for m in members]
 
-    def on_batch(members, feats, scales, bad):
+    def on_batch(members, parts, bad):
         sel = [m for m, b in zip(members, bad) if not b]
         toks = np.concatenate([mine[m].input_ids for m in sel]) if sel else np.zeros(0, np.int32)
         mask = np.concatenate([mine[m].loss_mask for m in sel]) if sel else np.zeros(0, np.uint8)
@@ -216,7 +212,7 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -
             np.array([st.sample_id_to_int(mine[m].sample_id) for m in sel], dtype=np.uint64),
             np.array([st.SPLITS[mine[m].split] for m in sel], dtype=np.uint8),
             np.array([lengths[m] for m in sel], dtype=np.int32), toks.astype(np.int32),
-            mask.astype(np.uint8), feats, scales, nonfinite_skipped=int(bad.sum()))
+            mask.astype(np.uint8), parts, nonfinite_skipped=int(bad.sum()))
         report(p)
 
     try:

@@ -154,8 +154,7 @@ def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int
         def features(n: int) -> Tensor:  # features of the last n tokens of the latest forward, [n, L*H]
             x = capture.pop()[0, -n:]  # [n, L, H]
             if feature_encoding:
-                payload, scales = encode(x, feature_encoding)
-                x = decode(payload, scales, feature_encoding, feature_dtype)
+                x = decode(encode(x, feature_encoding), feature_encoding, feature_dtype)
             return x.to(feature_dtype).flatten(1)
 
         P = len(prompt)

@@ -23,7 +23,6 @@ import torch
 from pipeline import store as st
 from pipeline.encoding import decode, from_storage
 
-ARRAYS = ("tokens", "loss_mask", "features", "scales", "sample_start", "sample_length", "sample_id", "split")
 
 
 def _open(path: str):
@@ -71,7 +70,7 @@ def store_summary(path: str) -> dict:
         total_samples += p.committed_samples
         for name in g.array_keys():
             a = g[name]
-            rows = p.committed_tokens if a.shape and name in ("tokens", "loss_mask", "features", "scales") else p.committed_samples
+            rows = p.committed_tokens if name in st.token_arrays(attrs["encoding"]) else p.committed_samples
             raw = rows * int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize
             e = per_array.setdefault(name, {"raw_bytes": 0, "disk_bytes": 0})
             e["raw_bytes"] += raw
@@ -136,13 +135,12 @@ def verify_store(path: str, out=sys.stdout) -> int:
             problems.append(f"shard {i}: not finished ({p.committed_samples}/{p.planned_samples} samples committed)")
         n, T = p.committed_samples, p.committed_tokens
         arrays = {k: g[k] for k in g.array_keys()}
-        for k in ARRAYS:
-            if k == "scales" and enc != "fp8":
-                continue
+        token_arrays = st.token_arrays(enc)
+        for k in ("tokens", "loss_mask", *token_arrays[2:], "sample_start", "sample_length", "sample_id", "split"):
             if k not in arrays:
                 problems.append(f"shard {i}: array {k} missing")
                 continue
-            rows = T if k in ("tokens", "loss_mask", "features", "scales") else n
+            rows = T if k in token_arrays else n
             a = arrays[k]
             if a.shape[0] < rows:
                 problems.append(f"shard {i}: {k} has {a.shape[0]} rows but {rows} are committed (truncated array)")
@@ -169,9 +167,7 @@ def verify_store(path: str, out=sys.stdout) -> int:
                     problems.append(f"shard {i}: token ids out of range [0, {vocab}) at rows {sl.start}..{sl.stop}")
                     break
                 arrays["loss_mask"][sl]
-                feats = from_storage(arrays["features"][sl])
-                scales = torch.from_numpy(arrays["scales"][sl]) if enc == "fp8" else None
-                x = decode(feats, scales, enc, torch.float32)
+                x = decode({k: from_storage(arrays[k][sl]) for k in token_arrays[2:]}, enc, torch.float32)
                 if not torch.isfinite(x).all():
                     problems.append(f"shard {i}: non-finite features in rows {sl.start}..{sl.stop}")
                     break

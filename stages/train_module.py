@@ -78,7 +78,7 @@ class DrafterTask(L.LightningModule):
 
     # -- the step ---------------------------------------------------------------------------------------
     def _features(self, batch: dict) -> torch.Tensor:
-        x = decode(batch["features"], batch.get("scales"), self.encoding, self._embed.dtype)  # [B, S, L, H]
+        x = decode(batch, self.encoding, self._embed.dtype)  # [B, S, L, H]
         return x.flatten(2)  # [B, S, L*H]
 
     def _forward(self, batch: dict) -> tuple[torch.Tensor, dict]:

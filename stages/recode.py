@@ -1,0 +1,107 @@
+"""`dflash recode SRC DST --encoding E`: convert a finished store to another feature encoding, without the target.
+
+Contract:
+- SRC must be a complete store (every shard done). DST gets SRC's provenance with the new encoding (and
+  clevel) plus `recoded_from`, the same shards, the same samples in the same order, and a copy of the frozen
+  head: training, eval and inspect treat it exactly like a store extracted with that encoding.
+- Features are decoded from SRC and re-encoded batch by batch (on CUDA when present), through the same
+  ShardWriter commit protocol as extraction, so a killed recode resumes where it stopped when rerun with the
+  same arguments, and never touches SRC.
+- Recoding from a lossy source (fp8, intN) compounds the errors; it is allowed, with a warning.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pipeline import store as st
+from pipeline.encoding import check, decode, encode, from_storage, parts_spec, to_storage
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_recode(src: str, dst: str, encoding: str, clevel: Optional[int] = None, device: Optional[str] = None,
+               batch_tokens: int = 65536) -> int:
+    attrs = st.read_root_attrs(src)
+    if attrs is None:
+        raise st.StoreError(f"no store at {src}; pass the path of a finished `dflash extract` store")
+    if str(src).rstrip("/") == str(dst).rstrip("/"):
+        raise st.StoreError("recode writes a new store: DST must differ from SRC (SRC is never modified)")
+    try:
+        check(encoding, int(attrs["hidden_size"]))
+    except ValueError as e:
+        raise st.StoreError(f"--encoding: {e}") from None
+    reader = st.StoreReader(src, require_complete=False)
+    unfinished = [i for i, p in reader.progress.items() if not p.done]
+    if unfinished:
+        raise st.StoreError(f"{src} is not complete (shard(s) {unfinished} unfinished); finish it with `dflash "
+                            "extract` first: recode converts finished stores only")
+    if attrs["encoding"] != "bf16":
+        _log(f"recode: warning: {src} is already lossy ({attrs['encoding']}); re-encoding to {encoding} compounds "
+             "the errors. Recode from a bf16 store when you have one.")
+    L, H = len(attrs["layer_ids"]), int(attrs["hidden_size"])
+    prov = dict(attrs)
+    prov.update({"encoding": encoding, "feature_dtype": st.feature_dtype(encoding),
+                 "feature_layout": {k: [list(s), d] for k, (s, d) in parts_spec(encoding, L, H).items()},
+                 "clevel": int(clevel if clevel is not None else attrs.get("clevel", 1)),
+                 "recoded_from": {"path": str(src), "encoding": attrs["encoding"], "created_at": attrs.get("created_at")}})
+    stored = st.create_or_open_store(dst, prov)
+    if stored.get("recoded_from", {}).get("encoding") not in (None, attrs["encoding"]):
+        raise st.StoreError(f"{dst} was recoded from a different source; choose a new DST")
+    head_src, head_dst = st.frozen_head_path(src), st.frozen_head_path(dst)
+    if not st.exists(head_dst):
+        st.write_bytes_atomic(head_dst, st.read_bytes(head_src))
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    total = sum(p.committed_tokens for p in reader.progress.values())
+    done_tokens, t0, last = 0, time.perf_counter(), 0.0
+    _log(f"recode: {src} ({attrs['encoding']}) -> {dst} ({encoding}), {len(reader.samples)} samples, "
+         f"{total} tokens, on {dev}")
+    for i in sorted(reader.shards):
+        g, prog = reader.shards[i], reader.progress[i]
+        n = prog.committed_samples
+        starts, lengths = g["sample_start"][:n], g["sample_length"][:n]
+        ids, splits = g["sample_id"][:n], g["split"][:n]
+        batches = _plan(lengths, batch_tokens)
+        writer = st.ShardWriter(dst, i, stored)
+        w = writer.start(f"recode:{attrs['encoding']}:{batch_tokens}:{n}", n, prog.committed_tokens)
+        done_tokens += w.committed_tokens
+        if w.done:
+            continue
+        src_parts = st.token_arrays(attrs["encoding"])[2:]
+        for a, b in batches[w.committed_batches:]:
+            t_a, t_b = int(starts[a]), int(starts[b - 1] + lengths[b - 1])
+            parts = {k: from_storage(g[k][t_a:t_b]).to(dev) for k in src_parts}
+            x = decode(parts, attrs["encoding"], torch.float32)  # [T, L, H]
+            new = {k: to_storage(v.cpu()) for k, v in encode(x, encoding).items()}
+            writer.write_batch(ids[a:b], splits[a:b], lengths[a:b].astype(np.int32), g["tokens"][t_a:t_b],
+                               g["loss_mask"][t_a:t_b], new)
+            done_tokens += t_b - t_a
+            now = time.perf_counter()
+            if now - last > 10 or done_tokens == total:
+                last = now
+                rate = done_tokens / max(1e-9, now - t0)
+                _log(f"recode: {done_tokens}/{total} tokens ({100 * done_tokens / max(1, total):.0f}%), "
+                     f"{rate:,.0f} tokens/s")
+        writer.finish()
+    _log(f"recode: done: {dst} ({encoding}); `dflash inspect {dst}` shows its size")
+    return 0
+
+
+def _plan(lengths: np.ndarray, batch_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive sample ranges [a, b) of about batch_tokens tokens each (at least one sample)."""
+    out, a, tok = [], 0, 0
+    for j, n in enumerate(lengths.tolist()):
+        if j > a and tok + n > batch_tokens:
+            out.append((a, j))
+            a, tok = j, 0
+        tok += n
+    if a < len(lengths):
+        out.append((a, len(lengths)))
+    return out
