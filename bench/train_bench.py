@@ -7,12 +7,16 @@ bf16 autocast over fp32 weights, AdamW. Useful FLOPs: drafter body fwd+bwd (fc: 
 attention over visible pairs only, lm_head fwd + input grad over labelled rows.
 
     python bench/train_bench.py --steps 10 --out $OUT/train.json
+    python bench/train_bench.py --modes flex --cache-dir DIR   # twice: cold, then warm compile cache
+    python bench/train_bench.py --attention-only               # one attention layer, flex vs SDPA dense
+    python bench/train_bench.py --modes flex --profile         # top CUDA kernels of two steps
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -47,7 +51,15 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak of the GPU")
     ap.add_argument("--modes", default="flex,sdpa")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cache-dir", default=None, help="inductor/triton cache (what `dflash train` keys per run)")
+    ap.add_argument("--attention-only", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
+    if a.cache_dir:
+        from pipeline.preflight import use_compile_cache
+
+        use_compile_cache(a.cache_dir)
+        print(f"compile cache {a.cache_dir}: {'warm' if os.path.isdir(os.path.join(a.cache_dir, 'inductor')) else 'cold'}")
     dev = torch.device("cuda")
     types = ["sliding_attention"] * (a.layers - 1) + ["full_attention"]
     cfg = DrafterConfig(num_hidden_layers=a.layers, layer_types=types, sliding_window=2048, block_size=16)
@@ -73,6 +85,14 @@ def main() -> None:
     ctx_pos = torch.arange(S, device=dev)[None]
     results = {"useful_tflop_per_step": flops / 1e12, "rows": rows, "Q": Q, "S": S,
                "sparsity": {t: 1 - v / (Q * (S + Q)) for t, v in vis.items()}, "modes": {}}
+    if a.attention_only:
+        results["attention"] = attention_only(arch, anchors, bs, S, types, vis, a.peak_tflops)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=1)
+        return
+    import torch._dynamo.utils as dyn_utils
+
     for mode in a.modes.split(","):
         model = torch.compile(drafter) if mode == "flex" else drafter
         torch.cuda.reset_peak_memory_stats()
@@ -96,23 +116,72 @@ def main() -> None:
         first = time.perf_counter() - t0
         step()
         torch.cuda.synchronize()
+        frames = sum(dyn_utils.counters["frames"].values())
         t0 = time.perf_counter()
         for _ in range(a.steps):
             step()
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / a.steps
+        recompiles = sum(dyn_utils.counters["frames"].values()) - frames
+        if a.profile:
+            profile(step)
         results["modes"][mode] = {"step_ms": dt * 1e3, "first_step_s": first, "mfu": flops / dt / (a.peak_tflops * 1e12),
                                   "samples_s": 1 / dt, "tokens_s": S / dt,
-                                  "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+                                  "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+                                  "frames_compiled_after_warmup": recompiles}
     print(f"\nDFlash step: {a.layers} layers, S={S}, {a.anchors} anchors x {bs}, vocab {a.vocab}; "
           f"useful {flops / 1e12:.1f} TFLOP/step; mask sparsity {results['sparsity']}")
-    print(f"{'mode':<8}{'step ms':>9}{'MFU':>7}{'samples/s':>11}{'tokens/s':>10}{'first step s':>14}{'peak GiB':>10}")
+    print(f"{'mode':<8}{'step ms':>9}{'MFU':>7}{'samples/s':>11}{'tokens/s':>10}{'first step s':>14}{'peak GiB':>10}"
+          f"{'recompiles':>12}")
     for m, r in results["modes"].items():
         print(f"{m:<8}{r['step_ms']:>9.1f}{100 * r['mfu']:>6.1f}%{r['samples_s']:>11.2f}{r['tokens_s']:>10.0f}"
-              f"{r['first_step_s']:>14.1f}{r['peak_mem_gib']:>10.1f}")
+              f"{r['first_step_s']:>14.1f}{r['peak_mem_gib']:>10.1f}{r['frames_compiled_after_warmup']:>12}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def attention_only(arch: DrafterArch, anchors, bs: int, S: int, types: list, vis: dict, peak: float) -> dict:
+    """One attention call (fwd+bwd) per layer type at the step's shape: compiled flex vs SDPA + dense mask."""
+    dev = anchors.device
+    h, kv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    Q = anchors.shape[1] * bs
+    out = {}
+    print(f"\nattention alone: q [1, {h}, {Q}, {d}], k/v [1, {kv}, {S + Q}, {d}], fwd+bwd")
+    print(f"{'layer type':<20}{'mode':<6}{'ms':>8}{'useful TFLOP/s':>16}")
+    for t in sorted(set(types)):
+        for mode in ("flex", "sdpa"):
+            attend = make_attend(mode, anchors=anchors, block_size=bs, ctx_len=S, layer_types=[t],
+                                 sliding_window=2048, seq_lens=torch.tensor([S], device=dev))
+            q = torch.randn(1, h, Q, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(1, kv, S + Q, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(1, kv, S + Q, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+            def run():
+                attend(q, k, v, 0).sum().backward()
+
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                run()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) / 20 * 1e3
+            useful = 3 * 2 * 2 * vis[t] * d * h  # fwd (QK^T, PV) + bwd (2x), visible pairs only
+            out[f"{t}/{mode}"] = {"ms": ms, "useful_tflops": useful / ms / 1e9}
+            print(f"{t:<20}{mode:<6}{ms:>8.2f}{useful / ms / 1e9:>16.0f}")
+    return out
+
+
+def profile(step) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":

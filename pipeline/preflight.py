@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -97,6 +98,12 @@ def compile_cache_dir(root: Path, key_parts: dict, rebuild: bool = False) -> Pat
     d.mkdir(parents=True, exist_ok=True)
     (d / "key.json").write_text(json.dumps(key_parts, sort_keys=True, default=str, indent=1))
     return d
+
+
+def use_compile_cache(d: Path) -> None:
+    """Point this process's (and its children's) inductor and triton caches into `d`."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(d) / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(Path(d) / "triton")
 
 
 def die_with_parent() -> None:

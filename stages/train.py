@@ -84,13 +84,12 @@ def _compile_cache(cfg: Config, run_dir: Path, rebuild: bool) -> Path:
     import dataclasses
 
     from pipeline import __version__
-    from pipeline.preflight import compile_cache_dir
+    from pipeline.preflight import compile_cache_dir, use_compile_cache
 
     key = {"torch": torch.__version__, "dflash": __version__, "drafter": dataclasses.asdict(cfg.drafter),
            "precision": cfg.train.precision, "compile": cfg.train.compile, "num_anchors": cfg.train.num_anchors}
     d = compile_cache_dir(run_dir / "compile-cache", key, rebuild=rebuild)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
+    use_compile_cache(d)
     return d
 
 

@@ -100,3 +100,20 @@ def test_unknown_encoding_and_bad_hidden_size_are_clear():
     with pytest.raises(ValueError, match="divisible by 32.*use bf16 or fp8"):
         encode(torch.randn(4, 2, 100), "int4")
     assert OUTLIERS == 4 and raw_bytes_per_token("int4", 5, 5120) / (5 * 5120 * 2) < 1 / 3.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_gpu_encode_decode_equals_cpu(encoding):
+    """Extraction encodes on the GPU and training decodes there: both must equal the CPU reference."""
+    x = activations(T=512, L=5, H=512)
+    cpu = encode(x, encoding)
+    y_cpu = decode(cpu, encoding, torch.float32)
+    # decoding on the GPU (training) gives what the CPU gives
+    torch.testing.assert_close(decode({k: v.cuda() for k, v in cpu.items()}, encoding, torch.float32).cpu(),
+                               y_cpu, rtol=1e-6, atol=1e-6)
+    # encoding on the GPU (extraction) gives the CPU's codes but for rare rounding ties
+    y_gpu = decode(encode(x.cuda(), encoding), encoding, torch.float32).cpu()
+    same = (y_gpu == y_cpu).float().mean().item()
+    assert same > 0.999, same
+    assert rel(y_gpu, x.float()) < 1.01 * rel(y_cpu, x.float()) + 1e-6

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
+#   bash bench/device_run.sh gputests trainbench attention loader extract store profile
+# Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl
+export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    gputests) python3 -m pytest -q -m gpu tests/ 2>&1 | tail -15 ;;
+    trainbench)  # cold compile cache, then the same step from a second process with the cache warm, then SDPA
+      rm -rf /tmp/cc
+      python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_cold.json" 2>&1 | tail -4
+      python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_warm.json" 2>&1 | tail -4
+      python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
+    attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;
+    profile) python3 bench/train_bench.py --modes flex --steps 3 --cache-dir /tmp/cc --profile 2>&1 | tail -45 ;;
+    extract) python3 bench/extract_bench.py --tokens 120000 --clevel 1 --encodings bf16,fp8,int5,int4 \
+               --store-dir /tmp/xb --out "$OUT/extract.json" 2>&1 | tail -12 ;;
+    store) python3 bench/store_bench.py --root /tmp/sb --out "$OUT/store.json" 2>&1 | tail -22 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+echo "=== done $(date +%T)"
