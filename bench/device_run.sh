@@ -10,12 +10,13 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
-    gputests) python3 -m pytest -q -m gpu tests/ 2>&1 | tail -15 ;;
+    gputests) python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -15 ;;
     trainbench)  # cold compile cache, then the same step from a second process with the cache warm, then SDPA
       rm -rf /tmp/cc
       python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_cold.json" 2>&1 | tail -4
-      python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_warm.json" 2>&1 | tail -4
-      python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
+      python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_warm.json" 2>&1 | tail -4 ;;
+    sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
+    whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;
     profile) python3 bench/train_bench.py --modes flex --steps 3 --cache-dir /tmp/cc --profile 2>&1 | tail -45 ;;
     extract) python3 bench/extract_bench.py --tokens 120000 --clevel 1 --encodings bf16,fp8,int5,int4 \

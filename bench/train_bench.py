@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=None, help="inductor/triton cache (what `dflash train` keys per run)")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compile", choices=["layers", "whole"], default="layers", help="regional (dflash train) or whole")
     a = ap.parse_args()
     if a.cache_dir:
         from pipeline.preflight import use_compile_cache
@@ -94,7 +95,11 @@ def main() -> None:
     import torch._dynamo.utils as dyn_utils
 
     for mode in a.modes.split(","):
-        model = torch.compile(drafter) if mode == "flex" else drafter
+        model = drafter
+        if mode == "flex" and a.compile == "whole":
+            model = torch.compile(drafter)
+        elif mode == "flex":
+            drafter.compile_layers()  # what `dflash train` does
         torch.cuda.reset_peak_memory_stats()
 
         def step():
@@ -158,7 +163,7 @@ def attention_only(arch: DrafterArch, anchors, bs: int, S: int, types: list, vis
             v = torch.randn(1, kv, S + Q, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
 
             def run():
-                attend(q, k, v, 0).sum().backward()
+                attend(q, k, v, t).sum().backward()
 
             for _ in range(3):
                 run()

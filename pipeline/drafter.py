@@ -10,7 +10,7 @@
           ctx is already RMS-normalised by hidden_norm and is projected directly (no input_layernorm), exactly
           as the public DFlash reference. Both halves of the keys go through the layer's k_norm (per head),
           then RoPE at their true positions: context keys at ctx_pos, block keys and queries at q_pos.
-          Which key a query may see is the caller's business: it passes `attend(q, k, v, layer_idx)`
+          Which key a query may see is the caller's business: it passes `attend(q, k, v, layer_type)`
           (SDPA with a dense mask on CPU, compiled flex_attention with a BlockMask on CUDA; see masks.py).
 
 No embedding and no lm_head here: both belong to the target and stay frozen. Parameter names are the export
@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .masks import FULL, SLIDING, make_attend
 
-Attend = Callable[[Tensor, Tensor, Tensor, int], Tensor]  # (q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_idx) -> [B,h,Q,d]
+Attend = Callable[[Tensor, Tensor, Tensor, str], Tensor]  # (q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_type) -> [B,h,Q,d]
 
 
 @dataclass
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, arch.rms_norm_eps)  # per head, over head_dim
         self.k_norm = RMSNorm(d, arch.rms_norm_eps)
 
-    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend, layer_idx: int) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend, layer_type: str) -> Tensor:
         # x [B, Q, H] (block tokens, after input_layernorm), ctx [B, S, H] (hidden_norm(fc(features)))
         # cos/sin [B, 1, S+Q, d]: context positions then block positions
         B, Q, _ = x.shape
@@ -183,7 +183,7 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(B, S + Q, self.n_kv, d).transpose(1, 2)  # [B, kv, S+Q, d]
         # under autocast the fp32 norm weights promote q/k to fp32 while v is bf16; flex needs one dtype
         q, k = q.to(v.dtype), k.to(v.dtype)
-        o = attend(q, k, v, layer_idx)  # [B, h, Q, d]
+        o = attend(q, k, v, layer_type)  # [B, h, Q, d]
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_head * d))
 
 
@@ -202,13 +202,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: DrafterArch, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.layer_type = arch.layer_types[layer_idx]  # what attend() needs: layers of one type share a compile
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
     def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, attend, self.layer_idx)
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, attend, self.layer_type)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -237,6 +238,13 @@ class DFlashDrafter(nn.Module):
                 m.weight.normal_(0.0, self.arch.initializer_range)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+
+    def compile_layers(self, **kwargs) -> None:
+        """Regional compilation: torch.compile each decoder layer, not the whole model. Layers of one type
+        share one compiled graph (parameters are graph inputs), so a cold compile costs about one layer per
+        layer type instead of the whole stack; no guard depends on the layer's index."""
+        for layer in self.layers:
+            layer.compile(**kwargs)
 
     def project_context(self, features: Tensor) -> Tensor:
         """features [B, S, L*H] (target layers in target_layer_ids order) -> ctx [B, S, H]."""

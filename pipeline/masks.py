@@ -223,7 +223,7 @@ def make_attend(
     seq_lens: Optional[Tensor] = None,
     compile: Optional[bool] = None,
 ) -> Callable[[Tensor, Tensor, Tensor, int], Tensor]:
-    """The drafter's `attend(q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_idx) -> [B,h,Q,d]` for one batch.
+    """The drafter's `attend(q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_type) -> [B,h,Q,d]` for one batch.
 
     kind: "sdpa" (dense boolean mask; CPU training and the reference) or "flex" (BlockMask; compiled on CUDA
     when compile is None). One mask per layer type present, shared by all layers of that type. GQA through
@@ -242,8 +242,8 @@ def make_attend(
     if kind == "sdpa":
         masks = {t: dense_mask(anchors, block_size, ctx_len, seq_lens, w) for t, w in windows.items()}
 
-        def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor:
-            mask = masks[types[layer_idx]]
+        def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, layer_type: str) -> Tensor:
+            mask = masks[layer_type]
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
         return attend_sdpa
@@ -252,7 +252,7 @@ def make_attend(
     masks = {t: flex_block_mask(anchors, block_size, ctx_len, seq_lens, w, compile) for t, w in windows.items()}
     flex = _flex_api("flex_attention", compile)
 
-    def attend_flex(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor:
+    def attend_flex(q: Tensor, k: Tensor, v: Tensor, layer_type: str) -> Tensor:
         Q, KV = q.shape[2], k.shape[2]
         q_len, kv_len = padded_len(Q), padded_len(KV)
         if q_len != Q:  # cheap when the caller already pads S and A*bs to multiples of 128
@@ -260,7 +260,7 @@ def make_attend(
         if kv_len != KV:
             k = F.pad(k, (0, 0, 0, kv_len - KV))
             v = F.pad(v, (0, 0, 0, kv_len - KV))
-        out = flex(q, k, v, block_mask=masks[types[layer_idx]], enable_gqa=k.shape[1] != q.shape[1])
+        out = flex(q, k, v, block_mask=masks[layer_type], enable_gqa=k.shape[1] != q.shape[1])
         return out[:, :, :Q]
 
     return attend_flex

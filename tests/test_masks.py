@@ -128,10 +128,10 @@ def test_flex_attend_matches_sdpa_forward_on_cpu(layer_types):
     kw = dict(anchors=anchors, block_size=bs, ctx_len=S, layer_types=layer_types, sliding_window=5)
     q = torch.randn(2, 4, 16, 8)
     k, v = torch.randn(2, 2, S + 16, 8), torch.randn(2, 2, S + 16, 8)
-    ref = make_attend("sdpa", **kw)(q, k, v, 0)
+    ref = make_attend("sdpa", **kw)(q, k, v, layer_types[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": expected on CPU
-        got = make_attend("flex", compile=False, **kw)(q, k, v, 0)
+        got = make_attend("flex", compile=False, **kw)(q, k, v, layer_types[0])
     assert torch.allclose(got, ref, atol=1e-5)
     bm = flex_block_mask(anchors, bs, S, compile=False)
     assert bm.shape[-2:] == (128, 128)
