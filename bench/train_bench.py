@@ -119,6 +119,10 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
+        try:  # where the first step's time went (dynamo / aot / inductor phases)
+            print(dyn_utils.compile_times(repr="str", aggregate=True)[:3000] if mode == "flex" else "")
+        except Exception as e:  # noqa: BLE001 - diagnostics only; the API moves between torch versions
+            print(f"compile_times unavailable: {e}")
         step()
         torch.cuda.synchronize()
         frames = sum(dyn_utils.counters["frames"].values())

@@ -202,7 +202,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: DrafterArch, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.layer_type = arch.layer_types[layer_idx]  # what attend() needs: layers of one type share a compile
+        self.layer_type = arch.layer_types[layer_idx]  # what attend() needs (a string guard, not the index)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -240,9 +240,9 @@ class DFlashDrafter(nn.Module):
                 m.weight.fill_(1.0)
 
     def compile_layers(self, **kwargs) -> None:
-        """Regional compilation: torch.compile each decoder layer, not the whole model. Layers of one type
-        share one compiled graph (parameters are graph inputs), so a cold compile costs about one layer per
-        layer type instead of the whole stack; no guard depends on the layer's index."""
+        """Regional compilation: torch.compile each decoder layer, not the whole model. Dynamo traces each layer
+        once; inductor's FX-graph cache reuses the kernels of same-shaped layers (parameters are graph inputs),
+        and no guard depends on the layer's index. Graph breaks stay local to a layer."""
         for layer in self.layers:
             layer.compile(**kwargs)
 

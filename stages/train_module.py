@@ -69,7 +69,7 @@ class DrafterTask(L.LightningModule):
             from pipeline.masks import loud_recompiles
 
             loud_recompiles(limit=8)  # a recompile storm fails loudly instead of silently running eager
-            self.drafter.compile_layers()  # regional: one compile per layer type, cold start ~layers x faster
+            self.drafter.compile_layers()  # regional compilation (see DFlashDrafter.compile_layers)
 
     def on_validation_start(self) -> None:
         if self._embed is None or self._embed.device != self.device:
