@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 from typing import Iterator, Optional
 
 import numpy as np
@@ -134,7 +135,10 @@ class RankBatchSampler(torch.utils.data.Sampler):
 
 
 def worker_init(_worker_id: int) -> None:
-    """DataLoader workers decode chunks; one thread each keeps them from fighting the training step for cores."""
+    """DataLoader workers decode chunks; one thread each keeps them from fighting the training step for cores.
+    Ctrl-C in a terminal reaches the whole process group: workers ignore it and let the training process stop
+    them (a worker dying of SIGINT would turn a clean stop into a DataLoader crash)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     try:
         from numcodecs import blosc

@@ -1,4 +1,4 @@
-"""Plain progress lines for training runs: step, loss, tau, steps/s, tokens/s, ETA.
+"""Plain progress lines for training runs (step, loss, tau, steps/s, tokens/s, ETA) and stop behaviour.
 
 Contract: rank 0 prints one line every `every` optimizer steps to stderr (which works under nohup, tmux or
 a scheduler's log, unlike a redrawn bar) and mirrors it to RUN/progress.json, which `dflash status`-style
@@ -8,6 +8,8 @@ tools and people in another shell can read while the run goes on. Nothing here t
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -84,3 +86,19 @@ class ProgressLines(L.Callback):
         tmp = self.run_dir / "progress.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.run_dir / "progress.json")
+
+
+class ForceOnSecondCtrlC(L.Callback):
+    """After the first Ctrl-C Lightning sets SIGINT to *ignored* while it shuts down (and a DDP teardown can
+    wait on a rank for a long time). This puts a handler back, so a second Ctrl-C exits at once with 130;
+    ranks started by this process die with it (PR_SET_PDEATHSIG), checkpoints already written are kept."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            print("train: stopping after Ctrl-C (press Ctrl-C again to force)", file=sys.stderr, flush=True)
+            signal.signal(signal.SIGINT, _force_exit)
+
+
+def _force_exit(_signum, _frame) -> None:
+    print("train: forced stop (second Ctrl-C); checkpoints written before are kept", file=sys.stderr, flush=True)
+    os._exit(130)

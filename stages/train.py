@@ -99,7 +99,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from stages.progress import ProgressLines, log_process_output
+    from stages.progress import ForceOnSecondCtrlC, ProgressLines, log_process_output
     from stages.train_module import DrafterTask
 
     store_path = store or cfg.store.path
@@ -171,7 +171,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     trainer = L.Trainer(
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
-        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, ProgressLines(run_dir, cfg.train.log_every)],
+        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, ProgressLines(run_dir, cfg.train.log_every), ForceOnSecondCtrlC()],
         logger=loggers, log_every_n_steps=cfg.train.log_every, val_check_interval=min(cfg.train.val_every, len(sampler)),
         check_val_every_n_epoch=1, num_sanity_val_steps=0, use_distributed_sampler=False,
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,

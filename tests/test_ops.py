@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import zarr
 
 from pipeline import store as st
@@ -131,3 +132,55 @@ def test_training_parent_kill9_leaves_no_orphans(tmp_path):
     left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
     assert not left, f"ranks kept running after the launcher was killed: {left}"
     assert (store and (Path(store) / "logs" / "extract.log").exists())
+
+
+def test_second_ctrl_c_forces_while_lightning_shuts_down(tmp_path):
+    """Lightning ignores SIGINT during its graceful shutdown; our callback restores a handler that exits 130 at
+    once. Run the real hook order (Lightning sets SIG_IGN, then calls on_exception) in a process that then
+    hangs as a stuck teardown would, and press Ctrl-C."""
+    code = """
+import signal, sys, time
+from stages.progress import ForceOnSecondCtrlC
+signal.signal(signal.SIGINT, signal.SIG_IGN)          # what Lightning does on the first KeyboardInterrupt
+ForceOnSecondCtrlC().on_exception(None, None, KeyboardInterrupt())
+print("tearing down", flush=True)
+time.sleep(60)                                          # a teardown waiting on a rank
+"""
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "tearing down"
+    t0 = time.time()
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=10)
+    err = p.stderr.read()
+    assert rc == 130 and time.time() - t0 < 5
+    assert "press Ctrl-C again to force" in err and "forced stop" in err
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
+    """Ctrl-C from a terminal (SIGINT to the launcher, its ranks and their loader workers): once -> graceful stop
+    with the resume hint; twice -> immediate exit. Either way 130 and nothing left running."""
+    store = str(tmp_path / "s.zarr")
+    _finish_and_verify(store)
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--devices",
+                          "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--no-export"], cwd=ROOT,
+                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run / "progress.json").exists():
+        time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+    if presses == 2:
+        time.sleep(0.3)
+        os.killpg(p.pid, signal.SIGINT)
+    rc = p.wait(timeout=60)
+    err = p.stderr.read()
+    assert rc == 130, err
+    if presses == 1:
+        assert "resume with" in err and "--resume" in err
+    deadline = time.time() + 20
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True).stdout:
+        time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
