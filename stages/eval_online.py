@@ -1,0 +1,202 @@
+"""Online evaluation (`dflash eval --online`): speculative decoding against the real target, token for token.
+
+Contract: held-out prompts (the conversation up to its first assistant turn, from data.validation_files, else
+the validation split of data.train_files) rendered with the target's chat template and data.enable_thinking
+are greedy-decoded and speculatively decoded (stages/speculate.py) on the same machine, interleaved per
+prompt after a warm-up. Serving hands the drafter the target's bf16 hidden states whatever encoding its
+training store used. Reports tau (tokens per verify step), tokens per target forward, the wall-clock speedup
+and every prompt whose speculative output differs from greedy (must be none: that is a bug, reported with
+the target's logit gap at the first difference).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.config import Config
+
+MISMATCH_BANNER = "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
+
+
+class EvalError(RuntimeError):
+    """A problem the user can fix (wrong path, mismatched store/drafter); the message says how."""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def heldout_prompts(cfg: Config, n: int) -> list[tuple[str, list[dict]]]:
+    """(sample_id, messages before the first assistant turn) of up to n validation conversations, by sample id."""
+    from data.ingest import is_validation, read_conversations, sample_id_of
+
+    if cfg.data.validation_files:
+        sources, keep = cfg.data.validation_files, (lambda sid: True)
+        split = "validation"
+    else:
+        sources = cfg.data.train_files
+        keep = lambda sid: is_validation(sid, cfg.data.validation_fraction)  # noqa: E731
+        split = "train"
+    found: dict[str, list[dict]] = {}
+    for path in sources:
+        for _src, _line, messages in read_conversations(path, "skip", split=split):
+            sid = sample_id_of(messages)
+            if not keep(sid):
+                continue
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompt = messages[:first]
+            if prompt:
+                found.setdefault(sid, prompt)
+    seen, out = set(), []
+    for sid in sorted(found):
+        key = json.dumps(found[sid], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append((sid, found[sid]))
+        if len(out) >= n:
+            break
+    if not out:
+        raise EvalError("no held-out prompts: set data.validation_files (or data.validation_fraction > 0) in the "
+                        "config")
+    return out
+
+
+def stop_token_ids(tokenizer, model) -> set[int]:
+    ids: set[int] = set()
+    for v in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    vocab = tokenizer.get_vocab()
+    for name in ("<|end|>", "<|im_end|>", "<|endoftext|>"):
+        if name in vocab:
+            ids.add(int(vocab[name]))
+    return ids
+
+
+@torch.inference_mode()
+def _margin(model, prefix: list[int], greedy: list[int], spec: list[int], i: int) -> Optional[float]:
+    """Diagnostic for a mismatch: the target's logit gap (full forward, no cache) between the two tokens chosen
+    at the first difference. A gap near 0 points at a numerical near-tie (e.g. bf16 kernels that differ between
+    a 1-token and a block forward); a large gap is a logic bug."""
+    if i >= len(greedy) or i >= len(spec):
+        return None
+    dev = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([prefix], device=dev), use_cache=False).logits[0, -1].float()
+    return float(logits[greedy[i]] - logits[spec[i]])
+
+
+def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: str, num_prompts: int,
+               max_new_tokens: int, cache: str = "auto", store_attrs: Optional[dict] = None,
+               threads: Optional[int] = None) -> dict:
+    """See the module contract. threads (CPU only): torch threads while decoding; default 1 for targets under
+    100M parameters (their matmuls are too small to split; thread hand-offs cost more than they save, and far
+    more on a loaded machine), else torch's default. Greedy and speculative decoding run with the same."""
+    saved = torch.get_num_threads()
+    try:
+        return _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cache, store_attrs, threads)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cache, store_attrs, threads) -> dict:
+    from pipeline.target import DTYPES, load_target, load_tokenizer
+    from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
+
+    arch = drafter.arch
+    dtype = DTYPES[cfg.target.dtype if device.type == "cuda" else cfg.target.cpu_dtype]
+    if store_attrs:
+        think = (store_attrs.get("tokenizer") or {}).get("enable_thinking")
+        if think is not None and think != cfg.data.enable_thinking:
+            log(f"eval: WARNING: the store was extracted with enable_thinking={think} but data.enable_thinking="
+                f"{cfg.data.enable_thinking}; the drafter is being served a different template than it learned")
+    tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
+    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if max(arch.target_layer_ids) >= n_layers:
+        raise EvalError(f"the drafter uses target layers {arch.target_layer_ids} but {cfg.target.path} has {n_layers}")
+    drafter = drafter.to(device=device, dtype=dtype)
+    if device.type == "cpu":
+        if threads is None and sum(p.numel() for p in model.parameters()) < 100_000_000:
+            threads = 1
+        if threads:
+            torch.set_num_threads(threads)
+    embed = model.get_input_embeddings().weight.detach()
+    out_emb = model.get_output_embeddings()
+    head = out_emb.weight.detach() if out_emb is not None else embed
+    draft_fn = dflash_draft_fn(drafter, embed, head)
+    stops = stop_token_ids(tokenizer, model)
+    prompts = heldout_prompts(cfg, num_prompts)
+    runner = TargetRunner(model, cache)
+
+    def render(messages):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=cfg.data.enable_thinking)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    encoded = [(sid, render(m)) for sid, m in prompts]
+    # Serving hands the drafter the target's bf16 hidden states, whatever encoding the store used in training:
+    # online tau measures how a drafter trained on (possibly lossy) stored features does on the real ones.
+    spec_kw = dict(layer_ids=arch.target_layer_ids, block_size=arch.block_size, stop_ids=stops,
+                   feature_encoding="bf16", feature_dtype=dtype)
+    # warm-up (untimed): first calls allocate and initialise kernels
+    greedy_decode(runner, encoded[0][1], min(8, max_new_tokens), stops)
+    speculative_decode(runner, draft_fn, encoded[0][1], max_new_tokens=min(8, max_new_tokens), **spec_kw)
+    g_time = s_time = 0.0
+    g_fwd = s_fwd = new_tokens = 0
+    steps: list[int] = []
+    mismatches = []
+    per_prompt = []
+    for sid, ids in encoded:
+        g = greedy_decode(runner, ids, max_new_tokens, stops)
+        s = speculative_decode(runner, draft_fn, ids, max_new_tokens=max_new_tokens, **spec_kw)
+        g_time += g.seconds
+        s_time += s.seconds
+        g_fwd += g.forwards
+        s_fwd += s.forwards
+        new_tokens += len(g.tokens)
+        steps += s.steps
+        same = g.tokens == s.tokens
+        if not same:
+            first = next((j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b),
+                         min(len(g.tokens), len(s.tokens)))
+            mismatches.append({"sample_id": sid, "first_difference": first, "greedy": g.tokens, "speculative": s.tokens,
+                               "logit_margin": _margin(model, ids + g.tokens[:first], g.tokens, s.tokens, first)})
+        per_prompt.append({"sample_id": sid, "prompt_tokens": len(ids), "new_tokens": len(g.tokens),
+                           "verify_steps": len(s.steps), "tau": round(sum(s.steps) / max(len(s.steps), 1), 4),
+                           "identical": same})
+    hist = np.bincount(np.asarray(steps, dtype=np.int64), minlength=arch.block_size + 1)[: arch.block_size + 1]
+    result = {
+        "target": cfg.target.path,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "cache": runner.policy,
+        "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "prompts": len(encoded),
+        "max_new_tokens": max_new_tokens,
+        "enable_thinking": cfg.data.enable_thinking,
+        "new_tokens": new_tokens,
+        "verify_steps": len(steps),
+        "tau": float(sum(steps) / max(len(steps), 1)),
+        "tokens_per_target_forward": float(new_tokens / max(s_fwd, 1)),
+        "greedy_target_forwards": g_fwd,
+        "speculative_target_forwards": s_fwd,
+        "greedy_seconds": round(g_time, 4),
+        "speculative_seconds": round(s_time, 4),
+        "greedy_tokens_per_second": round(new_tokens / max(g_time, 1e-9), 2),
+        "speculative_tokens_per_second": round(new_tokens / max(s_time, 1e-9), 2),
+        "speedup": float(g_time / max(s_time, 1e-9)),
+        "acceptance_histogram": {str(k): int(hist[k]) for k in range(1, arch.block_size + 1)},
+        "mismatches": len(mismatches),
+        "lossless": not mismatches,
+        "mismatch_details": mismatches[:5],
+        "per_prompt": per_prompt,
+    }
+    return result
