@@ -1,0 +1,118 @@
+"""`dflash recode`: a finished store converted to another encoding without the target; resumable; refusals;
+and the recoded store trains."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from pipeline import store as st
+from pipeline.encoding import decode, from_storage
+from stages.recode import run_recode
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def dflash(*args, check=True):
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    if check and r.returncode != 0:
+        raise AssertionError(f"dflash {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rc") / "bf16.zarr")
+    dflash("extract", "--config", TINY, "--shards", "2", "--store", path, "--set", "data.max_samples=80")
+    return path
+
+
+def features(path):
+    r = st.StoreReader(path)
+    out = {}
+    for i, ref in enumerate(r.samples):
+        s = r.read(i)
+        parts = {k: from_storage(v) for k, v in s.items() if k not in ("tokens", "loss_mask")}
+        out[ref.sample_id] = (s["tokens"], s["loss_mask"], decode(parts, r.encoding, torch.float32))
+    return out
+
+
+def test_recode_keeps_samples_and_features_and_is_inspectable(src, tmp_path):
+    dst = str(tmp_path / "int5.zarr")
+    r = dflash("recode", src, dst, "--encoding", "int5")
+    assert "done" in r.stderr
+    a, b = features(src), features(dst)
+    assert a.keys() == b.keys()
+    for sid in a:
+        assert np.array_equal(a[sid][0], b[sid][0]) and np.array_equal(a[sid][1], b[sid][1])
+        x, y = a[sid][2], b[sid][2]
+        assert ((y - x).norm() / x.norm()).item() < 0.06
+    attrs = st.read_root_attrs(dst)
+    assert attrs["encoding"] == "int5" and attrs["recoded_from"]["encoding"] == "bf16"
+    assert st.exists(st.frozen_head_path(dst))
+    assert "is valid" in dflash("verify", dst).stdout
+    out = dflash("inspect", dst).stdout
+    assert "encoding int5" in out and "x smaller" in out and "outliers" in out
+    again = dflash("recode", src, dst, "--encoding", "int5")  # finished: nothing rewritten
+    assert again.returncode == 0
+    # the recoded store trains (decoded on the device in the step)
+    run = tmp_path / "run"
+    t = dflash("train", "--config", TINY, "--store", dst, "--set", f"train.run_dir={run}", "--set", "train.max_steps=3",
+               "--set", "train.num_workers=0", "--no-export")
+    assert "3 steps" in t.stderr
+
+
+def test_recode_resumes_after_a_crash(src, tmp_path, monkeypatch):
+    ref = str(tmp_path / "ref.zarr")
+    run_recode(src, ref, "int4", batch_tokens=600)
+    dst = str(tmp_path / "crash.zarr")
+    real = st.ShardWriter.write_batch
+    calls = {"n": 0}
+
+    def failing(self, *args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError("simulated crash")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(st.ShardWriter, "write_batch", failing)
+    with pytest.raises(OSError):
+        run_recode(src, dst, "int4", batch_tokens=600)
+    monkeypatch.setattr(st.ShardWriter, "write_batch", real)
+    run_recode(src, dst, "int4", batch_tokens=600)
+    for name in ("features", "scales", "outliers", "tokens"):
+        for shard in ("shards/00000", "shards/00001"):
+            n = zarr.open_group(ref, mode="r")[shard].attrs["progress"]["committed_tokens"]
+            assert np.array_equal(zarr.open_group(ref, mode="r")[f"{shard}/{name}"][:n],
+                                  zarr.open_group(dst, mode="r")[f"{shard}/{name}"][:n])
+
+
+def test_recode_refusals(src, tmp_path):
+    r = dflash("recode", src, src, "--encoding", "int4", check=False)
+    assert r.returncode == 2 and "DST must differ from SRC" in r.stderr
+    dst = str(tmp_path / "x.zarr")
+    dflash("recode", src, dst, "--encoding", "fp8")
+    r = dflash("recode", src, dst, "--encoding", "int6", check=False)
+    assert r.returncode == 2 and "encoding: store has 'fp8'" in r.stderr
+    r = dflash("recode", src, str(tmp_path / "y.zarr"), "--encoding", "int3", check=False)
+    assert r.returncode == 2 and "int3" in r.stderr
+    r = dflash("recode", str(tmp_path / "nothing.zarr"), str(tmp_path / "z.zarr"), "--encoding", "int4", check=False)
+    assert r.returncode == 2 and "no store at" in r.stderr
+    partial = str(tmp_path / "partial.zarr")
+    shutil.copytree(src, partial)
+    g = zarr.open_group(partial, mode="a")["shards/00001"]
+    g.attrs["progress"] = {**g.attrs["progress"], "done": False}
+    r = dflash("recode", partial, str(tmp_path / "p2.zarr"), "--encoding", "int4", check=False)
+    assert r.returncode == 2 and "not complete" in r.stderr and "dflash extract" in r.stderr
+    r = dflash("recode", dst, str(tmp_path / "lossy2.zarr"), "--encoding", "int4")
+    assert "compounds the errors" in r.stderr
