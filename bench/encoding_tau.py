@@ -68,19 +68,27 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
     rows = [json.loads(x) for x in results.read_text().splitlines()]
-    print(f"\n{'encoding':<9}{'B/token':>9}{'offline tau':>18}{'serving walk':>18}{'online tau':>18}{'seeds':>7}")
-    base = {}
-    for enc in a.encodings.split(","):
+    table(rows, a.encodings.split(","))
+
+
+def table(rows: list[dict], encodings: list[str]) -> None:
+    """Mean ± sd over seeds, and the paired difference to bf16 at the same seed (same init and data order:
+    seed-to-seed variation mostly cancels), mean ± sd in percent."""
+    keys = ("offline_tau", "serving_walk_tau", "online_tau")
+    ref = {(r["seed"], k): r[k] for r in rows if r["encoding"] == "bf16" for k in keys}
+    print(f"\n{'encoding':<9}{'B/token':>9}" + "".join(f"{k:>32}" for k in keys) + f"{'seeds':>7}")
+    for enc in encodings:
         rs = [r for r in rows if r["encoding"] == enc]
         if not rs:
             continue
         cells = []
-        for k in ("offline_tau", "serving_walk_tau", "online_tau"):
+        for k in keys:
             v = [r[k] for r in rs]
-            m, sd = statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
-            base.setdefault(k, m)
-            cells.append(f"{m:.3f}±{sd:.3f} ({100 * (m / base[k] - 1):+.1f}%)")
-        print(f"{enc:<9}{rs[0]['store_bytes_per_token']:>9.0f}" + "".join(f"{c:>18}" for c in cells) + f"{len(rs):>7}")
+            d = [100 * (r[k] / ref[(r["seed"], k)] - 1) for r in rs if (r["seed"], k) in ref]
+            sd = statistics.stdev(v) if len(v) > 1 else 0.0
+            dm, dsd = (statistics.mean(d), statistics.stdev(d) if len(d) > 1 else 0.0) if d else (float("nan"), 0.0)
+            cells.append(f"{statistics.mean(v):.3f}±{sd:.3f} ({dm:+.1f}±{dsd:.1f}%)")
+        print(f"{enc:<9}{rs[0]['store_bytes_per_token']:>9.0f}" + "".join(f"{c:>32}" for c in cells) + f"{len(rs):>7}")
 
 
 def _bpt(store: Path) -> float:

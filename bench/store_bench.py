@@ -14,6 +14,8 @@
    per-sample cost, not bandwidth.
 
     python bench/store_bench.py --root /tmp/storebench --samples 24 --seq 3072 --out $OUT/store.json
+All three parts in one process need ~30 GB of RAM; on a smaller machine run them one at a time with --skip
+(e.g. `--skip startup`, then `--skip formats,loader`).
 """
 
 from __future__ import annotations
