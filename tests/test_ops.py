@@ -184,3 +184,24 @@ def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
         time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_extract_ctrl_c_to_the_group(tmp_path, presses):
+    """Ctrl-C from a terminal reaches the parent and its workers: once -> workers stop after their commit; twice
+    -> the parent kills them. Either way 130, no worker left, and the rerun completes a valid store."""
+    store = str(tmp_path / "s.zarr")
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2",
+                          "--store", store, *OPTS], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_commits(store)
+    os.killpg(p.pid, signal.SIGINT)
+    if presses == 2:
+        time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGINT)
+    rc = p.wait(timeout=30)
+    err = p.stderr.read()
+    assert rc == 130, err
+    assert "resume with the same command" in err
+    assert _gone(store, 5)
+    _finish_and_verify(store)
