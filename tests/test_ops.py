@@ -21,6 +21,12 @@ OPTS = ["--set", "data.max_samples=150", "--set", "extract.token_budget=512"]
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
+def _as_foreground_job() -> None:
+    """Run the child as a terminal's foreground job would: a shell starting a background job (CI runners,
+    `cmd &`) sets SIGINT to ignored, and ignored signals are inherited; a terminal job gets the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(store):
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2",
                              "--store", store, *OPTS], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
@@ -147,7 +153,7 @@ print("tearing down", flush=True)
 time.sleep(60)                                          # a teardown waiting on a rank
 """
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=_as_foreground_job)
     assert p.stdout.readline().strip() == "tearing down"
     t0 = time.time()
     p.send_signal(signal.SIGINT)
@@ -166,7 +172,8 @@ def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
     run = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--devices",
                           "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--no-export"], cwd=ROOT,
-                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=_as_foreground_job)
     deadline = time.time() + 240
     while time.time() < deadline and not (run / "progress.json").exists():
         time.sleep(0.5)
@@ -193,7 +200,7 @@ def test_extract_ctrl_c_to_the_group(tmp_path, presses):
     store = str(tmp_path / "s.zarr")
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2",
                           "--store", store, *OPTS], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_as_foreground_job)
     _wait_commits(store)
     os.killpg(p.pid, signal.SIGINT)
     if presses == 2:
