@@ -21,11 +21,9 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from pipeline.encoding import from_storage
+from pipeline.encoding import from_storage, part_names
 from pipeline.masks import sample_anchors
 from pipeline.store import StoreReader
-
-PARTS = ("features", "scales", "outliers")  # encoded parts a sample may carry (pipeline.encoding)
 
 
 class StoreDataset(torch.utils.data.Dataset):
@@ -63,9 +61,8 @@ class StoreDataset(torch.utils.data.Dataset):
             "loss_mask": loss_mask,  # [S] bool
             "anchors": anchors,  # [A] sorted
         }
-        for name in PARTS:
-            if name in s:  # the encoding's parts, still encoded: features [S, L, ...], scales, outliers
-                item[name] = from_storage(s[name])
+        for name in part_names(self.reader.encoding):  # still encoded: features [S, L, ...], scales, outliers
+            item[name] = from_storage(s[name])
         return item
 
 
@@ -172,7 +169,7 @@ def collate(items: list[dict], pad_multiple: int = 1, num_anchors: Optional[int]
         "anchors": torch.full((B, A), -1, dtype=torch.long),
         "seq_lens": torch.tensor([len(it["tokens"]) for it in items], dtype=torch.long),
     }
-    parts = [k for k in PARTS if k in items[0]]
+    parts = [k for k in items[0] if k not in ("tokens", "loss_mask", "anchors")]  # the encoding's parts
     for k in parts:  # padding tokens decode to finite values (scales 1, codes 0) and are masked out
         t = items[0][k]
         out[k] = (torch.ones if k == "scales" else torch.zeros)(B, S, *t.shape[1:], dtype=t.dtype)

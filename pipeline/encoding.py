@@ -61,6 +61,11 @@ def parts_spec(encoding: str, L: int, H: int) -> dict[str, tuple[tuple[int, ...]
             "outliers": ((L, OUTLIERS), "int32")}
 
 
+def part_names(encoding: str) -> tuple[str, ...]:
+    """The names of an encoding's parts, "features" first (the store keeps one per-token array per part)."""
+    return tuple(parts_spec(encoding, 1, GROUP))
+
+
 def raw_bytes_per_token(encoding: str, L: int, H: int) -> int:
     return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in parts_spec(encoding, L, H).values())
 

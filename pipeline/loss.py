@@ -32,10 +32,10 @@ def _ce_chunk(logits: Tensor, y: Tensor, w: Tensor, acc_dtype: torch.dtype,
     s = e.sum(-1, keepdim=True)
     lse = (m + s.log()).squeeze(1)  # [c]
     ce = lse - lf.gather(1, y[:, None]).squeeze(1)  # [c]
-    if not need_grad:
-        return (ce * w).sum(), lf.argmax(-1) == y, None
-    onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == y[:, None]  # [c, V]
-    g = ((e / s - onehot.to(acc_dtype)) * w[:, None]).to(logits.dtype)
+    g = None
+    if need_grad:
+        onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == y[:, None]  # [c, V]
+        g = ((e / s - onehot.to(acc_dtype)) * w[:, None]).to(logits.dtype)
     return (ce * w).sum(), lf.argmax(-1) == y, g
 
 

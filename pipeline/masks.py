@@ -222,7 +222,7 @@ def make_attend(
     sliding_window: Optional[int] = None,
     seq_lens: Optional[Tensor] = None,
     compile: Optional[bool] = None,
-) -> Callable[[Tensor, Tensor, Tensor, int], Tensor]:
+) -> Callable[[Tensor, Tensor, Tensor, str], Tensor]:
     """The drafter's `attend(q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_type) -> [B,h,Q,d]` for one batch.
 
     kind: "sdpa" (dense boolean mask; CPU training and the reference) or "flex" (BlockMask; compiled on CUDA

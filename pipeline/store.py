@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pipeline.encoding import ENCODINGS, parts_spec
+from pipeline.encoding import ENCODINGS, part_names, parts_spec
 
 SCHEMA_VERSION = 1
 FROZEN_HEAD_FILE = "frozen_head.safetensors"
@@ -71,12 +71,12 @@ def _codecs(typesize: int, clevel: int) -> list:
 def feature_dtype(encoding: str) -> str:
     if encoding not in ENCODINGS:
         raise StoreError(f"unknown feature encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
-    return "uint16" if encoding == "bf16" else "uint8"
+    return parts_spec(encoding, 1, 32)["features"][1]
 
 
 def token_arrays(encoding: str) -> tuple[str, ...]:
     """The per-token arrays of a shard (rows = tokens) for this encoding."""
-    return ("tokens", "loss_mask", *parts_spec(encoding, 1, 32))
+    return ("tokens", "loss_mask", *part_names(encoding))
 
 
 def is_local(path: str) -> bool:
@@ -223,7 +223,7 @@ class ShardWriter:
         for name, (shape, dtype) in parts_spec(self.encoding, L, H).items():
             rows = chunk if name == "features" else chunk * 4  # small parts: fewer, larger chunks
             specs[name] = ((0, *shape), (rows, *shape), dtype)
-        self.parts = tuple(parts_spec(self.encoding, L, H))
+        self.parts = part_names(self.encoding)
         self.arrays = {}
         existing = set(g.array_keys())
         for name, (shape, chunks, dtype) in specs.items():

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from pipeline import store as st
 from pipeline.config import Config, ConfigError, config_from_dict, load_config, parse_override
 from pipeline.drafter import draft_blocks
-from pipeline.encoding import decode, from_storage
+from pipeline.encoding import decode, from_storage, part_names
 from stages.eval_plots import read_metrics, write_plots
 from stages.eval_online import run_online
 
@@ -243,7 +243,7 @@ def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tens
 def store_samples(reader: st.StoreReader, indices: list[int], device: torch.device, dtype: torch.dtype):
     for i in indices:
         s = reader.read(i)
-        parts = {k: from_storage(v).to(device) for k, v in s.items() if k not in ("tokens", "loss_mask")}
+        parts = {k: from_storage(s[k]).to(device) for k in part_names(reader.encoding)}
         feats = decode(parts, reader.encoding, dtype).flatten(1)  # [S, L*H]
         yield {"tokens": torch.from_numpy(s["tokens"].astype(np.int64)),
                "loss_mask": torch.from_numpy(s["loss_mask"].astype(np.bool_)), "features": feats}

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline import store as st
-from pipeline.encoding import check, decode, encode, from_storage, parts_spec, to_storage
+from pipeline.encoding import check, decode, encode, from_storage, part_names, parts_spec, to_storage
 
 
 def _log(msg: str) -> None:
@@ -74,10 +74,9 @@ def run_recode(src: str, dst: str, encoding: str, clevel: Optional[int] = None, 
         done_tokens += w.committed_tokens
         if w.done:
             continue
-        src_parts = st.token_arrays(attrs["encoding"])[2:]
         for a, b in batches[w.committed_batches:]:
             t_a, t_b = int(starts[a]), int(starts[b - 1] + lengths[b - 1])
-            parts = {k: from_storage(g[k][t_a:t_b]).to(dev) for k in src_parts}
+            parts = {k: from_storage(g[k][t_a:t_b]).to(dev) for k in part_names(attrs["encoding"])}
             x = decode(parts, attrs["encoding"], torch.float32)  # [T, L, H]
             new = {k: to_storage(v.cpu()) for k, v in encode(x, encoding).items()}
             writer.write_batch(ids[a:b], splits[a:b], lengths[a:b].astype(np.int32), g["tokens"][t_a:t_b],

@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from pipeline import store as st
-from pipeline.encoding import decode, from_storage
-
+from pipeline.encoding import decode, from_storage, part_names
 
 
 def _open(path: str):
@@ -136,7 +135,7 @@ def verify_store(path: str, out=sys.stdout) -> int:
         n, T = p.committed_samples, p.committed_tokens
         arrays = {k: g[k] for k in g.array_keys()}
         token_arrays = st.token_arrays(enc)
-        for k in ("tokens", "loss_mask", *token_arrays[2:], "sample_start", "sample_length", "sample_id", "split"):
+        for k in (*token_arrays, "sample_start", "sample_length", "sample_id", "split"):
             if k not in arrays:
                 problems.append(f"shard {i}: array {k} missing")
                 continue
@@ -167,7 +166,7 @@ def verify_store(path: str, out=sys.stdout) -> int:
                     problems.append(f"shard {i}: token ids out of range [0, {vocab}) at rows {sl.start}..{sl.stop}")
                     break
                 arrays["loss_mask"][sl]
-                x = decode({k: from_storage(arrays[k][sl]) for k in token_arrays[2:]}, enc, torch.float32)
+                x = decode({k: from_storage(arrays[k][sl]) for k in part_names(enc)}, enc, torch.float32)
                 if not torch.isfinite(x).all():
                     problems.append(f"shard {i}: non-finite features in rows {sl.start}..{sl.stop}")
                     break

@@ -4,9 +4,6 @@ drafter trained briefly on the tiny store reaches a tau floor offline and online
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +14,8 @@ from torch import nn
 from pipeline.drafter import DFlashDrafter, DrafterArch
 from stages.evaluate import offline_eval, select_anchors
 from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
+
+from helpers_cli import dflash as _dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -279,14 +278,6 @@ QUALITY_TRAIN = ["train.batch_size=4", "train.epochs=3", "train.num_workers=0", 
                  "train.checkpoint_every=1000"]
 OFFLINE_TAU_FLOOR = 1.6
 ONLINE_TAU_FLOOR = 1.4
-
-
-def _dflash(*args, timeout=600):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    if r.returncode != 0:
-        raise AssertionError(f"dflash {' '.join(args)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
 
 
 def _sets(items):

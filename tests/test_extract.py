@@ -21,17 +21,11 @@ from pipeline.config import load_config
 from pipeline.encoding import decode, from_storage
 from pipeline.target import FeatureCapture, capture_features, load_target, truncate_layers
 
+from helpers_cli import dflash  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 SMALL = ["--set", "data.max_samples=120", "--set", "extract.token_budget=2048"]
-
-
-def dflash(*args, timeout=300, check=True):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    if check and r.returncode != 0:
-        raise AssertionError(f"dflash {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
 
 
 def test_capture_equals_output_hidden_states():

@@ -141,8 +141,8 @@ def test_compiled_drafter_forward_backward_under_autocast(regional):
                 assert rel_err(g_c[n], p.grad) < 5e-2, n
     graphs = counters["stats"]["unique_graphs"] - before
     print(f"graphs compiled for 3 batches (regional={regional}): {graphs}")
-    # regional: dynamo traces each layer once (inductor's FX-graph cache reuses the compiled kernels of
-    # same-shaped layers) + create_block_mask per window; never one per batch
+    # regional: a graph per layer type (+ the first layer, whose input needs no grad) + create_block_mask per
+    # window; never one per batch
     assert graphs <= (len(d.layers) + 3 if regional else 10), graphs
 
 

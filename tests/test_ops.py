@@ -27,10 +27,41 @@ def _as_foreground_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start(store):
+def _start(store, **popen):
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2",
                              "--store", store, *OPTS], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _start_training(store, run, *extra, **popen):
+    """`dflash train` on 2 CPU ranks for a long schedule (the test stops it)."""
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store,
+                             "--devices", "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", *extra,
+                             "--no-export"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, **popen)
+
+
+def _press_ctrl_c(p, presses: int, gap: float, timeout: float) -> tuple[int, str]:
+    """Ctrl-C from a terminal: SIGINT to the whole foreground group, `presses` times; -> (exit code, stderr)."""
+    for i in range(presses):
+        if i:
+            time.sleep(gap)
+        os.killpg(p.pid, signal.SIGINT)
+    rc = p.wait(timeout=timeout)
+    return rc, p.stderr.read()
+
+
+def _wait_until(condition, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline and not condition():
+        time.sleep(0.5)
+
+
+def _run_processes(run, timeout=0.0) -> list[str]:
+    """PIDs of processes of this run still alive, after waiting up to `timeout` s for them to go."""
+    def alive():
+        return subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
+    _wait_until(lambda: not alive(), timeout)
+    return alive()
 
 
 def _wait_commits(store, n=2, timeout=120):
@@ -102,19 +133,15 @@ def test_training_sigterm_stops_all_ranks_with_resume_hint(tmp_path):
     store = str(tmp_path / "s.zarr")
     _finish_and_verify(store)
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--devices",
-                          "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--set", "train.log_every=2",
-                          "--set", "train.checkpoint_every=4", "--no-export"], cwd=ROOT, env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and not list((run / "checkpoints").glob("step*.ckpt")):
-        time.sleep(0.5)
+    p = _start_training(store, run, "--set", "train.log_every=2", "--set", "train.checkpoint_every=4",
+                        stderr=subprocess.PIPE, text=True)
+    _wait_until(lambda: list((run / "checkpoints").glob("step*.ckpt")))
     p.send_signal(signal.SIGTERM)
     rc = p.wait(timeout=60)
     err = p.stderr.read()
     assert rc == 130 and "--resume" in err and "stopped at step" in err
     time.sleep(2)
-    left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
+    left = _run_processes(run)
     assert not left, f"processes left behind: {left}"
     assert (run / "checkpoints" / "last.ckpt").exists()
     assert (run / "logs" / "rank0.log").exists() and (run / "logs" / "rank1.log").exists()
@@ -124,18 +151,11 @@ def test_training_parent_kill9_leaves_no_orphans(tmp_path):
     store = str(tmp_path / "s.zarr")
     _finish_and_verify(store)
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--devices",
-                          "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--no-export"], cwd=ROOT,
-                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline and not (run / "progress.json").exists():
-        time.sleep(0.5)
+    p = _start_training(store, run, stderr=subprocess.DEVNULL)
+    _wait_until((run / "progress.json").exists)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    deadline = time.time() + 60
-    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True).stdout:
-        time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
+    left = _run_processes(run, timeout=60)
     assert not left, f"ranks kept running after the launcher was killed: {left}"
     assert (store and (Path(store) / "logs" / "extract.log").exists())
 
@@ -170,26 +190,14 @@ def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
     store = str(tmp_path / "s.zarr")
     _finish_and_verify(store)
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--devices",
-                          "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--no-export"], cwd=ROOT,
-                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         preexec_fn=_as_foreground_job)
-    deadline = time.time() + 240
-    while time.time() < deadline and not (run / "progress.json").exists():
-        time.sleep(0.5)
-    os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
-    if presses == 2:
-        time.sleep(0.3)
-        os.killpg(p.pid, signal.SIGINT)
-    rc = p.wait(timeout=60)
-    err = p.stderr.read()
+    p = _start_training(store, run, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                        preexec_fn=_as_foreground_job)
+    _wait_until((run / "progress.json").exists)
+    rc, err = _press_ctrl_c(p, presses, gap=0.3, timeout=60)
     assert rc == 130, err
     if presses == 1:
         assert "resume with" in err and "--resume" in err
-    deadline = time.time() + 20
-    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True).stdout:
-        time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
+    left = _run_processes(run, timeout=20)
     assert not left, f"processes left behind: {left}"
 
 
@@ -198,16 +206,9 @@ def test_extract_ctrl_c_to_the_group(tmp_path, presses):
     """Ctrl-C from a terminal reaches the parent and its workers: once -> workers stop after their commit; twice
     -> the parent kills them. Either way 130, no worker left, and the rerun completes a valid store."""
     store = str(tmp_path / "s.zarr")
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2",
-                          "--store", store, *OPTS], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_as_foreground_job)
+    p = _start(store, start_new_session=True, preexec_fn=_as_foreground_job)
     _wait_commits(store)
-    os.killpg(p.pid, signal.SIGINT)
-    if presses == 2:
-        time.sleep(0.05)
-        os.killpg(p.pid, signal.SIGINT)
-    rc = p.wait(timeout=30)
-    err = p.stderr.read()
+    rc, err = _press_ctrl_c(p, presses, gap=0.05, timeout=30)
     assert rc == 130, err
     assert "resume with the same command" in err
     assert _gone(store, 5)

@@ -3,10 +3,7 @@ and the recoded store trains."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,16 +15,10 @@ from pipeline import store as st
 from pipeline.encoding import decode, from_storage
 from stages.recode import run_recode
 
+from helpers_cli import dflash  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-
-
-def dflash(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    if check and r.returncode != 0:
-        raise AssertionError(f"dflash {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
 
 
 @pytest.fixture(scope="module")

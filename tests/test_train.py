@@ -16,17 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers_cli import dflash  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 EXTRACT = ["--set", "data.max_samples=240", "--set", "extract.token_budget=4096"]
-
-
-def dflash(*args, timeout=600, check=True, cwd=ROOT):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    if check and r.returncode != 0:
-        raise AssertionError(f"dflash {' '.join(args)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,19 @@
+"""Run the `dflash` command line in a subprocess for tests, without a GPU; fail with its output on a bad exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def dflash(*args, timeout=600, check=True, cwd=ROOT) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    if check and r.returncode != 0:
+        raise AssertionError(f"dflash {' '.join(args)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
