@@ -173,17 +173,91 @@ def padded_len(n: int, multiple: int = FLEX_BLOCK) -> int:
 _COMPILED: dict = {}  # name -> torch.compile'd function, one per process
 
 
-def _flex_api(name: str, compile: bool):
-    """flex_attention / create_block_mask, compiled once per process when asked (eager create_block_mask
-    materialises the dense Q x KV grid; eager flex_attention is a slow reference)."""
-    import torch.nn.attention.flex_attention as fa
+def _flex_attention(compile: bool):
+    """flex_attention, compiled once per process when asked (eager flex_attention is a slow reference)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-    fn = getattr(fa, name)
     if not compile:
-        return fn
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn)
-    return _COMPILED[name]
+        return flex_attention
+    if "flex_attention" not in _COMPILED:
+        _COMPILED["flex_attention"] = torch.compile(flex_attention)
+    return _COMPILED["flex_attention"]
+
+
+def _pad_anchors(anchors: Tensor, block_size: int, q_len: int) -> Tensor:
+    """anchors [B, A] -> [B, ceil(q_len / bs)]: padded query rows belong to extra padded anchors (-1)."""
+    B, A = anchors.shape
+    a_pad = int(math.ceil(q_len / block_size))
+    if a_pad > A:
+        anchors = torch.cat([anchors, anchors.new_full((B, a_pad - A), -1)], dim=1)
+    return anchors.long()
+
+
+def block_tables(
+    anchors: Tensor,
+    block_size: int,
+    ctx_len: int,
+    seq_lens: Optional[Tensor] = None,
+    window: Optional[int] = None,
+    tile: int = FLEX_BLOCK,
+) -> tuple[Tensor, Tensor]:
+    """Which (query tile, key tile) pairs of `dflash_mask_mod` are partly / fully visible, without the dense grid.
+
+    Returns (partial, full), bool [B, 1, q_len/tile, kv_len/tile] (lengths padded to `tile`), exactly what
+    create_block_mask derives by evaluating the predicate on all Q x KV pairs. Here each query row's visible
+    keys are two intervals read off the predicate (the module docstring):
+        context [lo, hi):  hi = min(anchor, seq_len, S) (0 for a padded anchor), lo = 0, or for a sliding
+                           window lo = max(0, anchor + slot - W + 1);
+        own block [S + bs*j, S + bs*j + n):  n = bs, or slot + 1 for a sliding window (causal in the block).
+    A key tile [k0, k1) is touched by a row when an interval overlaps it and covered when one interval contains
+    it (the two never join: hi <= anchor < S). Cost O(Q x KV / tile) instead of O(Q x KV).
+    """
+    B, A = anchors.shape
+    dev = anchors.device
+    q_len, kv_len = padded_len(A * block_size, tile), padded_len(ctx_len + A * block_size, tile)
+    anchors = _pad_anchors(anchors.to(dev), block_size, q_len)
+    q = torch.arange(q_len, device=dev)  # [Qp]
+    j, slot = q // block_size, q % block_size  # [Qp]
+    anchor = anchors[:, j]  # [B, Qp]
+    lens = _seq_lens(seq_lens, B, ctx_len, dev).clamp(max=ctx_len)[:, None]  # [B, 1]
+    c_hi = torch.minimum(anchor, lens).clamp(min=0)  # [B, Qp]
+    c_lo = torch.zeros_like(c_hi) if window is None else (anchor + slot - window + 1).clamp(min=0)
+    b_lo = (ctx_len + j * block_size).expand(B, q_len)  # [B, Qp]
+    b_hi = b_lo + (block_size if window is None else slot + 1)
+    k0 = torch.arange(0, kv_len, tile, device=dev)  # [T] key tile starts
+    k1 = k0 + tile
+
+    def touch_cover(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:  # [B, Qp] -> 2 x [B, Qp, T]
+        lo, hi = lo[..., None], hi[..., None]
+        return torch.maximum(lo, k0) < torch.minimum(hi, k1), (lo <= k0) & (hi >= k1)
+
+    (t_ctx, c_ctx), (t_blk, c_blk) = touch_cover(c_lo, c_hi), touch_cover(b_lo, b_hi)
+    rows = lambda x: x.view(B, q_len // tile, tile, -1)  # noqa: E731  [B, Qp/tile, tile, T]
+    touched = rows(t_ctx | t_blk).any(dim=2)  # [B, Qp/tile, T]
+    full = rows(c_ctx | c_blk).all(dim=2)
+    return (touched & ~full)[:, None], full[:, None]
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """bool [B, H, rows, cols] -> (count int32 [B, H, rows], column order int32 [B, H, rows, cols]).
+
+    The order lists each row's set columns first, ascending, then the unset ones: what a stable descending
+    argsort gives (create_block_mask's layout), computed with two cumsums and a scatter instead of a sort,
+    which keeps the compiled builder small (a compiled Triton sort is what made create_block_mask's cold
+    compile take minutes).
+    """
+    t = tiles.to(torch.int32)
+    count = t.sum(dim=-1, dtype=torch.int32)
+    pos = torch.where(tiles, t.cumsum(-1) - 1, count[..., None] + (1 - t).cumsum(-1) - 1)  # each column's slot
+    cols = torch.arange(tiles.shape[-1], device=tiles.device, dtype=torch.int32).expand_as(t)
+    return count, torch.empty_like(t).scatter_(-1, pos.long(), cols)
+
+
+def _all_tables(anchors: Tensor, seq_lens: Tensor, block_size: int, ctx_len: int, window: Optional[int]) -> tuple:
+    """The eight BlockMask tables: kv side (forward) and q side (backward), partial and full."""
+    partial, full = block_tables(anchors, block_size, ctx_len, seq_lens, window)
+    return (*_ordered(partial), *_ordered(full), *_ordered(partial.transpose(-2, -1)),
+            *_ordered(full.transpose(-2, -1)))
 
 
 def flex_block_mask(
@@ -196,20 +270,28 @@ def flex_block_mask(
 ):
     """BlockMask over (Q, S+Q) padded up to multiples of 128, from the same predicate as `dense_mask`.
 
-    Padded query rows belong to extra padded anchors (-1); padded key columns sit after the block tokens and
-    are seen by nothing real. compile=None compiles on CUDA. Build once per batch per layer type and share it
-    by all layers of that type.
+    The tables come from `block_tables` (exact, no dense grid, no sort), compiled into one small graph on
+    CUDA (compile=None) so a step pays a few kernel launches, not a hundred eager ops; the predicate itself
+    is attached as the BlockMask's mask_mod for the partial tiles. Padded query rows belong to extra padded
+    anchors (-1); padded key columns sit after the block tokens and are seen by nothing real. Build once per
+    batch per layer type and share it by all layers of that type.
     """
+    from torch.nn.attention.flex_attention import BlockMask
+
     B, A = anchors.shape
     dev = anchors.device
-    Q = A * block_size
-    q_len, kv_len = padded_len(Q), padded_len(ctx_len + Q)
-    a_pad = int(math.ceil(q_len / block_size))
-    if a_pad > A:
-        anchors = torch.cat([anchors, anchors.new_full((B, a_pad - A), -1)], dim=1)
-    mod = dflash_mask_mod(anchors.long(), _seq_lens(seq_lens, B, ctx_len, dev), ctx_len, block_size, window)
-    compile = (dev.type == "cuda") if compile is None else compile
-    return _flex_api("create_block_mask", compile)(mod, B, None, q_len, kv_len, device=dev)
+    q_len, kv_len = padded_len(A * block_size), padded_len(ctx_len + A * block_size)
+    lens = _seq_lens(seq_lens, B, ctx_len, dev)
+    build = _all_tables
+    if (dev.type == "cuda") if compile is None else compile:
+        if "tables" not in _COMPILED:
+            _COMPILED["tables"] = torch.compile(_all_tables)
+        build = _COMPILED["tables"]
+    kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = build(anchors.long(), lens, block_size, ctx_len, window)
+    mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, ctx_len, block_size, window)
+    return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=kv_n, kv_indices=kv_i, full_kv_num_blocks=fkv_n,
+                     full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
+                     full_q_indices=fq_i, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mod)
 
 
 def make_attend(
@@ -250,7 +332,7 @@ def make_attend(
 
     compile = (anchors.device.type == "cuda") if compile is None else compile
     masks = {t: flex_block_mask(anchors, block_size, ctx_len, seq_lens, w, compile) for t, w in windows.items()}
-    flex = _flex_api("flex_attention", compile)
+    flex = _flex_attention(compile)
 
     def attend_flex(q: Tensor, k: Tensor, v: Tensor, layer_type: str) -> Tensor:
         Q, KV = q.shape[2], k.shape[2]

@@ -1,5 +1,5 @@
 """GPU only: compiled flex_attention with the BlockMask == SDPA with the dense mask (outputs and gradients, bf16),
-compiled create_block_mask (same mask, bounded recompiles), a compiled drafter forward+backward, and the chunked
+the block mask (equal to create_block_mask, bounded recompiles), a compiled drafter forward+backward, and the chunked
 loss's peak memory. Run on the GPU machine: `python -m pytest -m gpu tests/test_gpu_attention.py`."""
 
 import pytest
@@ -74,8 +74,11 @@ def test_flex_matches_sdpa_outputs_and_grads(layer_type):
         assert rel_err(g_f[n], g_s[n]) < 5e-2, n
 
 
-def test_compiled_block_mask_equals_eager_with_bounded_recompiles():
+def test_block_mask_on_gpu_equals_create_block_mask_with_bounded_recompiles():
     from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from pipeline.masks import _pad_anchors, dflash_mask_mod, padded_len
 
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
@@ -85,8 +88,17 @@ def test_compiled_block_mask_equals_eager_with_bounded_recompiles():
         kv = torch.randn(2, 2, 640 + 384, 64, device="cuda", dtype=torch.bfloat16)
         for window in (None, WINDOW):
             args = (batch["anchors"], BS, 640, batch["seq_lens"], window)
-            bm_c, bm_e = flex_block_mask(*args, compile=True), flex_block_mask(*args, compile=False)
-            assert torch.equal(bm_c.to_dense(), bm_e.to_dense())
+            got = flex_block_mask(*args)
+            q_len = padded_len(batch["anchors"].shape[1] * BS)
+            mod = dflash_mask_mod(_pad_anchors(batch["anchors"], BS, q_len), batch["seq_lens"], 640, BS, window)
+            ref = create_block_mask(mod, 2, None, q_len, padded_len(640 + q_len), device="cuda")
+            assert torch.equal(got.to_dense(), ref.to_dense())
+            for num in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+                assert torch.equal(getattr(got, num), getattr(ref, num)), num
+            for num, idx in (("q_num_blocks", "q_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+                for row_n, row_g, row_r in zip(getattr(got, num).flatten().tolist(),
+                                               getattr(got, idx).flatten(0, -2), getattr(ref, idx).flatten(0, -2)):
+                    assert torch.equal(row_g[:row_n].sort().values, row_r[:row_n].sort().values), idx
             types = ["sliding_attention" if window else "full_attention"]
             kw = dict(anchors=batch["anchors"], block_size=BS, ctx_len=640, layer_types=types,
                       sliding_window=WINDOW, seq_lens=batch["seq_lens"])
@@ -100,8 +112,8 @@ def test_compiled_block_mask_equals_eager_with_bounded_recompiles():
                 layer_types=["full_attention"], seq_lens=torch.tensor([900, 863], device="cuda"))
     graphs_total = counters["stats"]["unique_graphs"] - before
     print(f"graphs compiled: {graphs_same_shape} for 3 batches x 2 windows, {graphs_total} after a new length")
-    assert graphs_same_shape <= 8, graphs_same_shape  # create_block_mask + flex per window, not per batch
-    assert graphs_total <= graphs_same_shape + 2
+    assert graphs_same_shape <= 4, graphs_same_shape  # block tables + flex, per window kind; not per batch
+    assert graphs_total <= graphs_same_shape + 4  # a new length: at most one dynamic recompile of each
 
 
 @pytest.mark.parametrize("regional", [True, False])
@@ -141,8 +153,7 @@ def test_compiled_drafter_forward_backward_under_autocast(regional):
                 assert rel_err(g_c[n], p.grad) < 5e-2, n
     graphs = counters["stats"]["unique_graphs"] - before
     print(f"graphs compiled for 3 batches (regional={regional}): {graphs}")
-    # regional: a graph per layer type (+ the first layer, whose input needs no grad) + create_block_mask per
-    # window; never one per batch
+    # regional: a graph per layer type (+ the first layer, whose input needs no grad); never one per batch
     assert graphs <= (len(d.layers) + 3 if regional else 10), graphs
 
 

@@ -133,5 +133,47 @@ def test_flex_attend_matches_sdpa_forward_on_cpu(layer_types):
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": expected on CPU
         got = make_attend("flex", compile=False, **kw)(q, k, v, layer_types[0])
     assert torch.allclose(got, ref, atol=1e-5)
-    bm = flex_block_mask(anchors, bs, S, compile=False)
+    bm = flex_block_mask(anchors, bs, S)
     assert bm.shape[-2:] == (128, 128)
+
+
+def _tiles(num, idx, cols):
+    """(count [B, H, R], ordered indices [B, H, R, C]) -> bool [B, H, R, cols]: the set each row lists."""
+    out = torch.zeros(*num.shape, cols, dtype=torch.bool)
+    for b, h, r in torch.cartesian_prod(*(torch.arange(n) for n in num.shape)).view(-1, 3).tolist():
+        out[b, h, r, idx[b, h, r, : num[b, h, r]].long()] = True
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 8, 5, 12, 128])
+def test_block_tables_equal_create_block_mask(block_size):
+    """The analytic block tables (no dense grid, nothing compiled) equal create_block_mask evaluating the
+    predicate on every pair: partial and full tiles, kv and q (backward) sides, on random ragged batches with
+    padded anchors, short sequences, both window kinds and lengths that are not multiples of 128."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from pipeline.masks import _pad_anchors, dflash_mask_mod, padded_len
+
+    g = torch.Generator().manual_seed(block_size)
+    for trial in range(6):
+        S = int(torch.randint(20, 700, (1,), generator=g))
+        S = padded_len(S) if trial % 2 else S  # block keys aligned to tiles (as training pads) or not
+        lens = torch.tensor([S, int(torch.randint(3, S + 1, (1,), generator=g))])
+        per_row = []
+        for n in lens.tolist():
+            m = torch.zeros(S, dtype=torch.bool)
+            m[:n] = torch.rand(n, generator=g) > 0.2
+            per_row.append(sample_anchors(m, int(torch.randint(1, 40, (1,), generator=g)), g))
+        anchors = stack_anchors(per_row)
+        for window in (None, int(torch.randint(3, 300, (1,), generator=g))):
+            got = flex_block_mask(anchors, block_size, S, lens, window)
+            q_len, kv_len = padded_len(anchors.shape[1] * block_size), padded_len(S + anchors.shape[1] * block_size)
+            mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, S, block_size, window)
+            ref = create_block_mask(mod, 2, None, q_len, kv_len, device="cpu")
+            for num, idx in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                             ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]:
+                assert torch.equal(getattr(got, num), getattr(ref, num)), (trial, window, num)
+                cols = getattr(ref, idx).shape[-1]
+                assert torch.equal(_tiles(getattr(got, num), getattr(got, idx), cols),
+                                   _tiles(getattr(ref, num), getattr(ref, idx), cols)), (trial, window, idx)
+            assert got.kv_num_blocks.sum() + got.full_kv_num_blocks.sum() > 0
