@@ -122,7 +122,8 @@ def extract(config_path, overrides, shards, gpus, shard_index, store):
 @click.option("--store", default=None, help="Store path or URL (default: store.path).")
 @click.option("--resume", is_flag=True, help="Continue from RUN/checkpoints/last.ckpt (step, optimiser, data position).")
 @click.option("--no-export", is_flag=True, help="Skip exporting the drafter at the end.")
-@click.option("--rebuild-compile-cache", is_flag=True, help="Empty this run's torch.compile cache before starting.")
+@click.option("--rebuild-compile-cache", is_flag=True, help="Empty the torch.compile cache of this drafter shape before starting "
+              "(kept in $DFLASH_COMPILE_CACHE or ~/.cache/dflash/compile, shared by runs).")
 def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 

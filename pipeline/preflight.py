@@ -90,6 +90,16 @@ def disk_warning(path: str, bytes_needed: float) -> Optional[str]:
     return None
 
 
+def compile_cache_root() -> Path:
+    """Where compiled kernels are kept across runs: $DFLASH_COMPILE_CACHE, else $XDG_CACHE_HOME/dflash/compile,
+    else ~/.cache/dflash/compile. Shared by every run of the same drafter shape (new hyperparameters, more
+    epochs, a resume), so only the first run on a machine pays the cold compile."""
+    if os.environ.get("DFLASH_COMPILE_CACHE"):
+        return Path(os.environ["DFLASH_COMPILE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dflash" / "compile"
+
+
 def compile_cache_dir(root: Path, key_parts: dict, rebuild: bool = False) -> Path:
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
     d = Path(root) / key

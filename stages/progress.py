@@ -45,20 +45,40 @@ def log_process_output(run_dir: Path, rank: int) -> None:
     sys.stdout = Tee(sys.stdout, path)
 
 
+def process_start_time() -> float:
+    """Wall-clock time this process started (Linux /proc), else now: the start of the user's wait."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 class ProgressLines(L.Callback):
-    def __init__(self, run_dir: Path, every: int):
+    def __init__(self, run_dir: Path, every: int, started: float | None = None):
         self.run_dir, self.every = Path(run_dir), max(1, every)
+        self.started = process_start_time() if started is None else started  # when the command began (the user's wait)
         self.t0 = self.step0 = None
         self.tokens = 0.0
+        self.first_step_s: float | None = None
+        self.last_line: int | None = None
 
     def on_train_start(self, trainer, pl_module):
         self.t0, self.step0, self.tokens = time.time(), trainer.global_step, 0.0
+        self.first_step_s, self.last_line = None, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.tokens += float(batch["seq_lens"].sum()) * trainer.world_size
+        if self.first_step_s is None:  # the first batch carries the compile; say when it is over
+            self.first_step_s = time.time() - self.started
+            if trainer.is_global_zero:
+                print(f"train: first batch done {self.first_step_s:.1f} s after start (includes loading and "
+                      f"compiling); {time.time() - self.t0:.1f} s of it in the batch", file=sys.stderr, flush=True)
         step = trainer.global_step
-        if not trainer.is_global_zero or step % self.every or step == self.step0:
-            return
+        if not trainer.is_global_zero or step % self.every or step in (self.step0, self.last_line):
+            return  # (with gradient accumulation several batches end at one optimizer step: one line)
+        self.last_line = step
         dt = max(1e-6, time.time() - self.t0)
         rate = (step - self.step0) / dt
         total = trainer.estimated_stepping_batches
@@ -66,7 +86,7 @@ class ProgressLines(L.Callback):
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("train/", "val/"))}
         state = {"state": "running", "step": step, "total_steps": int(total), "epoch": trainer.current_epoch,
                  "steps_per_s": rate, "tokens_per_s": self.tokens / dt, "eta_s": eta, "time": time.time(),
-                 "metrics": m}
+                 "first_batch_s": self.first_step_s, "metrics": m}
         line = (f"train: step {step}/{int(total)} epoch {trainer.current_epoch} loss {m.get('train/loss', float('nan')):.4f} "
                 f"tau {m.get('train/tau', float('nan')):.2f} {rate:.2f} steps/s {self.tokens / dt:,.0f} tok/s "
                 f"ETA {eta / 60:.1f} min")

@@ -79,18 +79,56 @@ def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int
     return train_dl, val_dl, sampler
 
 
-def _compile_cache(cfg: Config, run_dir: Path, rebuild: bool) -> Path:
-    """Point inductor/triton caches at a directory keyed by torch, dflash and the drafter's shape."""
+def _compile_cache(cfg: Config, rebuild: bool, report: bool) -> Path:
+    """Point inductor/triton caches at a directory keyed by torch, dflash and the drafter's shape, shared by
+    every run of that shape on this machine (pipeline.preflight.compile_cache_root)."""
     import dataclasses
 
     from pipeline import __version__
-    from pipeline.preflight import compile_cache_dir, use_compile_cache
+    from pipeline.preflight import compile_cache_dir, compile_cache_root, use_compile_cache
 
     key = {"torch": torch.__version__, "dflash": __version__, "drafter": dataclasses.asdict(cfg.drafter),
            "precision": cfg.train.precision, "compile": cfg.train.compile, "num_anchors": cfg.train.num_anchors}
-    d = compile_cache_dir(run_dir / "compile-cache", key, rebuild=rebuild)
+    d = compile_cache_dir(compile_cache_root(), key, rebuild=rebuild)
+    warm = (d / "inductor").is_dir()
     use_compile_cache(d)
+    if report:
+        print(f"train: compile cache {d} ({'warm: the first step reuses earlier kernels' if warm else 'cold: the first step compiles, a few minutes'})",
+              file=sys.stderr, flush=True)
     return d
+
+
+def _streaming_checkpoint_io():
+    """Lightning's CheckpointIO, but a local checkpoint streams to a temporary file that is renamed into place.
+
+    The default serialises the whole checkpoint into memory first and then copies that buffer once more
+    (2 x 21 GB of host memory per rank at the 27B shape, on a node that also runs extraction); this writes
+    as it serialises, and the rename keeps the file all-or-nothing as before."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class StreamingCheckpointIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            if not st.is_local(str(path)):
+                return super().save_checkpoint(checkpoint, path, storage_options)
+            path = Path(str(path).removeprefix("file://"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            try:
+                torch.save(checkpoint, tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+    return StreamingCheckpointIO()
+
+
+def _save_final(trainer, checkpoint, last: Path) -> None:
+    """Make RUN/checkpoints/last.ckpt hold the final state, writing only if no checkpoint has this step yet."""
+    if getattr(checkpoint, "_last_global_step_saved", -1) == trainer.global_step and last.exists():
+        return  # last.ckpt links the step checkpoint written at this very step
+    if trainer.is_global_zero and last.is_symlink():
+        last.unlink()  # write a new file; never overwrite the step checkpoint the link points at
+    trainer.save_checkpoint(last)  # every rank calls it (it synchronises); rank 0 writes
 
 
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
@@ -148,16 +186,21 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
 
         check_gpus_free(list(devs), need_gib=16)
     if use_gpu:
-        _compile_cache(cfg, run_dir, rebuild=rebuild_compile_cache and launcher)
+        _compile_cache(cfg, rebuild=rebuild_compile_cache and launcher, report=launcher)
     train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1)
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_process_output(run_dir, rank)
-    task = DrafterTask(cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
-                       target_meta=attrs["target"], store_path=store_path)
+    # build and initialise the drafter on this rank's GPU (initialising ~1.7B parameters on the CPU took ~20 s);
+    # seeded, so a run's initial weights follow from train.seed (DDP then broadcasts rank 0's to all ranks)
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(f"cuda:{devs[rank]}" if use_gpu else "cpu"):
+        task = DrafterTask(cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
+                           target_meta=attrs["target"], store_path=store_path)
 
     task.train_sampler = sampler  # the step records consumed batches; Lightning checkpoints the loader's state
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last=True,
+    # save_last="link": last.ckpt is a symlink to the newest step checkpoint, not a second full copy
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last="link",
                                  save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
     loggers = [CSVLogger(run_dir, name="logs", version="")]
     try:
@@ -175,6 +218,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         logger=loggers, log_every_n_steps=cfg.train.log_every, val_check_interval=min(cfg.train.val_every, len(sampler)),
         check_val_every_n_epoch=1, num_sanity_val_steps=0, use_distributed_sampler=False,
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,
+        plugins=[_streaming_checkpoint_io()],
     )
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -189,7 +233,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
             return 130
         raise
     checkpoint_path = ckpt_dir / "last.ckpt"
-    trainer.save_checkpoint(checkpoint_path)  # every rank calls it (it synchronises); rank 0 writes
+    _save_final(trainer, checkpoint, checkpoint_path)
     if trainer.is_global_zero:
         summary = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
                    "val": getattr(task, "last_val", {}), "checkpoint": str(checkpoint_path)}

@@ -3,7 +3,7 @@
 import pytest
 
 from pipeline import preflight
-from pipeline.preflight import PreflightError, compile_cache_dir, disk_warning, parse_gpu_usage
+from pipeline.preflight import PreflightError, compile_cache_dir, compile_cache_root, disk_warning, parse_gpu_usage
 
 
 def test_busy_gpu_is_named_with_its_holders(monkeypatch):
@@ -27,3 +27,11 @@ def test_disk_warning_and_keyed_cache(tmp_path):
     assert a != b and (a / "key.json").exists()
     (a / "artifact").write_text("x")
     assert not (compile_cache_dir(tmp_path, {"torch": "2.11", "drafter": {"hidden": 5120}}, rebuild=True) / "artifact").exists()
+
+
+def test_compile_cache_root_is_shared_and_overridable(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_COMPILE_CACHE", str(tmp_path / "cc"))
+    assert compile_cache_root() == tmp_path / "cc"
+    monkeypatch.delenv("DFLASH_COMPILE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache_root() == tmp_path / "xdg" / "dflash" / "compile"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import os
 import signal
 import subprocess
@@ -52,7 +53,9 @@ def test_ddp_two_processes_learns_without_target(tiny_store, tmp_path):
     assert len(losses) >= 4 and sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2, losses
     assert summary["val"]["val/tau"] > 1.2, summary
     assert (run / "export" / "model.safetensors").exists() and (run / "checkpoints" / "last.ckpt").exists()
-    assert "train:" in r.stderr
+    first = re.search(r"train: first batch done ([0-9.]+) s after start", r.stderr)
+    assert first and 0 < float(first.group(1)) < 600, r.stderr[-2000:]  # the user's wait, compile included
+    assert json.loads((run / "progress.json").read_text())["state"] == "finished"
 
 
 def test_export_matches_trained_module(tiny_store, tmp_path):
@@ -80,6 +83,25 @@ def test_export_matches_trained_module(tiny_store, tmp_path):
         a = trained(emb, trained.project_context(feats), q_pos, ctx_pos, attend)
         b = exported(emb, exported.project_context(feats), q_pos, ctx_pos, attend)
     torch.testing.assert_close(a, b)
+    # the same seed reproduces the run: seeded initial weights, seeded data order and anchors
+    dflash(*_train_args(tiny_store, tmp_path / "again", "--set", "train.max_steps=3", "--no-export"))
+    again, _ = load_checkpoint_drafter(str(tmp_path / "again" / "checkpoints" / "last.ckpt"))
+    for (name, p), q in zip(trained.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_one_progress_line_per_step_and_one_checkpoint_file(tiny_store, tmp_path):
+    """With gradient accumulation several batches end at one optimizer step: the log gets one line per step.
+    A checkpoint written at the last step is not written again: last.ckpt links it (no second full copy)."""
+    run = tmp_path / "run"
+    r = dflash(*_train_args(tiny_store, run, "--set", "train.max_steps=3", "--set", "train.checkpoint_every=3",
+                            "--set", "train.accumulate_grad_batches=2", "--set", "train.log_every=1", "--no-export"))
+    steps = re.findall(r"train: step (\d+)/", r.stderr)
+    assert steps == ["1", "2", "3"], r.stderr[-3000:]
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.is_symlink() and last.resolve() == (run / "checkpoints" / "step3.ckpt").resolve()
+    assert [f.name for f in (run / "checkpoints").iterdir() if not f.is_symlink()] == ["step3.ckpt"]
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
 
 
 @pytest.mark.slow
