@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
-#   bash bench/device_run.sh gputests trainbench attention loader extract store profile
+#   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl
@@ -16,11 +16,13 @@ for part in "$@"; do
       python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_cold.json" 2>&1 | tail -4
       python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_warm.json" 2>&1 | tail -4 ;;
     gpufix) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider --tb=short -k "bounded_recompiles or under_autocast" 2>&1 | tail -25 ;;
+    attntests) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
+    e2e) python3 bench/train_e2e.py --root /tmp/e2e --steps 8 --out "$OUT/train_e2e.json" 2>&1 | tail -6 ;;
     sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;
     profile) python3 bench/train_bench.py --modes flex --steps 3 --cache-dir /tmp/cc --profile 2>&1 | tail -45 ;;
-    extract) python3 bench/extract_bench.py --tokens 120000 --clevel 1 --encodings bf16,fp8,int5,int4 \
+    extract) python3 bench/extract_bench.py --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings bf16,fp8,int5,int4 \
                --store-dir /tmp/xb --out "$OUT/extract.json" 2>&1 | tail -12 ;;
     store) python3 bench/store_bench.py --root /tmp/sb --out "$OUT/store.json" 2>&1 | tail -22 ;;
     *) echo "unknown part $part" ;;

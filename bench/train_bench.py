@@ -94,6 +94,18 @@ def main() -> None:
         return
     import torch._dynamo.utils as dyn_utils
 
+    mask_kw = dict(anchors=anchors, block_size=bs, ctx_len=S, layer_types=types, sliding_window=2048,
+                   seq_lens=torch.tensor([S], device=dev))
+    for _ in range(3):
+        make_attend("flex", **mask_kw)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        make_attend("flex", **mask_kw)  # both layer types' BlockMasks, as every step builds them
+    torch.cuda.synchronize()
+    results["mask_build_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+    print(f"block masks for one step ({len(set(types))} layer types): {results['mask_build_ms']:.2f} ms")
+
     for mode in a.modes.split(","):
         model = drafter
         if mode == "flex" and a.compile == "whole":
@@ -120,9 +132,10 @@ def main() -> None:
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         try:  # where the first step's time went (dynamo / aot / inductor phases)
-            print(dyn_utils.compile_times(repr="str", aggregate=True)[:3000] if mode == "flex" else "")
+            ctimes = dyn_utils.compile_times(repr="str", aggregate=True)[:3000] if mode == "flex" else ""
         except Exception as e:  # noqa: BLE001 - diagnostics only; the API moves between torch versions
-            print(f"compile_times unavailable: {e}")
+            ctimes = f"compile_times unavailable: {e}"
+        print(ctimes)
         step()
         torch.cuda.synchronize()
         frames = sum(dyn_utils.counters["frames"].values())
@@ -137,7 +150,7 @@ def main() -> None:
         results["modes"][mode] = {"step_ms": dt * 1e3, "first_step_s": first, "mfu": flops / dt / (a.peak_tflops * 1e12),
                                   "samples_s": 1 / dt, "tokens_s": S / dt,
                                   "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                                  "frames_compiled_after_warmup": recompiles}
+                                  "frames_compiled_after_warmup": recompiles, "compile_times": ctimes}
     print(f"\nDFlash step: {a.layers} layers, S={S}, {a.anchors} anchors x {bs}, vocab {a.vocab}; "
           f"useful {flops / 1e12:.1f} TFLOP/step; mask sparsity {results['sparsity']}")
     print(f"{'mode':<8}{'step ms':>9}{'MFU':>7}{'samples/s':>11}{'tokens/s':>10}{'first step s':>14}{'peak GiB':>10}"

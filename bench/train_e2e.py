@@ -1,0 +1,125 @@
+"""`dflash train` end to end at the 27B shape: the user's wait before the first step, cold and warm cache.
+
+Builds a store of random 27B-shaped features (5 layers x 5120, int5 as the 27B configs default, 3,072-token
+samples) and a random 248,320 x 5120 frozen embedding/head, then runs the real command twice on GPU 0 with
+configs/qwen3.6-27b.yaml: first with an empty compile cache, then as a new run with another learning rate
+(what a user does next), which reuses the shared cache. Every stderr line is timestamped on arrival, so the
+table gives the time from launch to the first finished batch and the steady optimizer-step rate after it.
+
+    python bench/train_e2e.py --root /tmp/e2e --steps 12 --out $OUT/train_e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.store_bench import provenance  # noqa: E402
+from pipeline import store as st  # noqa: E402
+from pipeline.encoding import encode  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int], H: int, vocab: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    prov = provenance(enc, len(layers), H)
+    prov["layer_ids"], prov["target"]["vocab_size"] = layers, vocab
+    st.create_or_open_store(str(path), prov)
+    w = st.ShardWriter(str(path), 0, prov)
+    w.start("e2e", samples, samples * seq)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    scale = torch.exp(torch.randn(len(layers), H, device=DEV, generator=g) * 0.7)
+    for i in range(samples):
+        x = (torch.randn(seq, len(layers), H, device=DEV, generator=g) * scale).to(torch.bfloat16)
+        parts = {k: v.cpu().numpy() for k, v in encode(x, enc).items()}
+        parts = {k: (v.view(np.uint16) if v.dtype == np.int16 else v) for k, v in parts.items()}
+        toks = torch.randint(0, vocab, (seq,), device=DEV, generator=g).cpu().numpy().astype(np.int32)
+        mask = np.ones(seq, np.uint8)
+        mask[:200] = 0
+        w.write_batch(np.array([i + 1], np.uint64), np.zeros(1, np.uint8), np.array([seq], np.int32), toks, mask, parts)
+    w.finish()
+    from safetensors.torch import save
+
+    head = {n: (torch.randn(vocab, H, device=DEV, generator=g) * 0.02).to(torch.bfloat16).cpu()
+            for n in ("embed_tokens.weight", "lm_head.weight")}
+    st.write_bytes_atomic(st.frozen_head_path(str(path)), save(head, metadata={"tie_word_embeddings": "false"}))
+
+
+def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int]) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sets = ["target.name=bench", f"target.layer_ids={layers}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.epochs=1000",
+            "train.log_every=1", f"train.lr={lr}", "train.checkpoint_every=100000", "train.val_every=100000"]
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", config,
+           "--store", str(store), "--gpus", "0", "--no-export"] + [a for s in sets for a in ("--set", s)]
+    t0 = time.time()
+    p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                         env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache)})
+    lines = []
+    for line in p.stderr:
+        lines.append((time.time() - t0, line.rstrip()))
+        print(f"[{lines[-1][0]:7.1f}s] {line.rstrip()}", flush=True)
+    rc = p.wait()
+    first = next((float(m.group(1)) for _, x in lines if (m := re.search(r"first batch done ([0-9.]+) s", x))), None)
+    stamps = [(t, int(m.group(1))) for t, x in lines if (m := re.match(r"train: step (\d+)/", x))]
+    steady = None
+    if len(stamps) >= 4:
+        (ta, sa), (tb, sb) = stamps[2], stamps[-1]
+        steady = (sb - sa) / (tb - ta)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a 27B-shape checkpoint is ~21 GB (fp32 weights + AdamW)
+    return {"rc": rc, "wall_s": time.time() - t0, "first_batch_s": first, "steady_steps_s": steady,
+            "steps": stamps[-1][1] if stamps else 0, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", default="/tmp/dflash-e2e")
+    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--seq", type=int, default=3072)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--encoding", default="int5")
+    ap.add_argument("--config", default=str(ROOT / "configs/qwen3.6-27b.yaml"))
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--layer-ids", default="1,16,31,46,61")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    root = Path(a.root)
+    t = time.perf_counter()
+    layers = [int(x) for x in a.layer_ids.split(",")]
+    build_store(root / "store.zarr", a.samples, a.seq, a.encoding, layers, a.hidden, a.vocab)
+    print(f"store: {a.samples} x {a.seq} tokens, {a.encoding}, built in {time.perf_counter() - t:.0f} s", flush=True)
+    cache = root / "compile-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    res = {}
+    for name, lr in (("cold", "6e-4"), ("warm (new run, new lr)", "3e-4")):
+        res[name] = run(root / "store.zarr", root / f"run-{name.split()[0]}", cache, a.steps, lr, a.config, layers)
+        if a.out:  # after each run: a time limit that stops the second one keeps the first
+            Path(a.out).write_text(json.dumps(res, indent=1))
+    from pipeline.config import load_config
+
+    t = load_config(a.config).train
+    accum = t.accumulate_grad_batches * t.batch_size  # samples per optimizer step
+    print(f"\n`dflash train` at the 27B shape, 1 GPU, {a.encoding} store, {a.seq}-token samples, {accum} samples per optimizer step")
+    print(f"{'run':<24}{'exit':>5}{'first batch s':>15}{'steps/s':>9}{'samples/s':>11}{'wall s':>8}")
+    for k, r in res.items():
+        sps = r["steady_steps_s"]
+        print(f"{k:<24}{r['rc']:>5}{r['first_batch_s'] or float('nan'):>15.1f}{sps or float('nan'):>9.3f}"
+              f"{(sps or float('nan')) * accum:>11.2f}{r['wall_s']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()
