@@ -45,8 +45,11 @@ def check_store_matches(cfg: Config, attrs: dict) -> list[int]:
         diffs.append(f"hidden size: store has {attrs['hidden_size']}, drafter.hidden_size is {cfg.drafter.hidden_size}")
     if not 0 <= cfg.drafter.mask_token_id < t["vocab_size"]:
         diffs.append(f"vocab: drafter.mask_token_id {cfg.drafter.mask_token_id} is outside the store's vocabulary of {t['vocab_size']}")
-    if cfg.data.max_length < attrs["max_length"]:
-        pass  # training on shorter sequences than extracted is allowed (samples are used whole)
+    thinking = attrs.get("tokenizer", {}).get("enable_thinking")
+    if thinking is not None and bool(thinking) != cfg.data.enable_thinking:
+        diffs.append(f"thinking mode: the store's conversations were rendered with enable_thinking={bool(thinking)}, "
+                     f"data.enable_thinking is {cfg.data.enable_thinking} (the drafter must be served the way it "
+                     "was trained)")
     if diffs:
         raise TrainError("the store does not match this config:\n  " + "\n  ".join(diffs)
                          + "\nPoint --store at a store made for this target/config, or fix the config.")
