@@ -57,7 +57,23 @@ def parse_gpu_usage(gpus_csv: list[list[str]], apps_csv: list[list[str]]) -> dic
     return info
 
 
+def physical_gpu(g: int) -> str:
+    """A GPU index as this process sees it (torch, --gpus) -> the device a child's CUDA_VISIBLE_DEVICES names.
+
+    Under a scheduler that set CUDA_VISIBLE_DEVICES=5,6 index 0 is physical GPU 5 (or a UUID); a child given
+    a bare "0" would land on GPU 0, which belongs to someone else."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    ids = [x.strip() for x in visible.split(",") if x.strip()] if visible else []
+    if not ids:
+        return str(g)
+    if g >= len(ids):
+        raise PreflightError(f"GPU {g} is not visible: CUDA_VISIBLE_DEVICES={visible} shows {len(ids)} GPU(s), "
+                             f"indices 0..{len(ids) - 1}")
+    return ids[g]
+
+
 def check_gpus_free(gpus: list[int], need_gib: float) -> None:
+    """gpus: indices as this process sees them (mapped through CUDA_VISIBLE_DEVICES to nvidia-smi's)."""
     rows = _smi("index,uuid,memory.used,memory.total")
     if rows is None:
         return
@@ -65,6 +81,10 @@ def check_gpus_free(gpus: list[int], need_gib: float) -> None:
     info = parse_gpu_usage(rows, apps)
     problems = []
     for g in gpus:
+        g = physical_gpu(g)
+        if not g.isdigit():
+            continue  # named by UUID: nvidia-smi's index table cannot check it
+        g = int(g)
         if g not in info:
             problems.append(f"GPU {g} does not exist (this machine has {sorted(info)})")
         elif info[g]["free_gib"] < need_gib:

@@ -149,6 +149,28 @@ class Monitor:
                 tmp.replace(status_file)
 
 
+def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index: Optional[int], n_gpu: int) -> dict[int, int]:
+    """Which GPU (index among the visible ones) each shard to run gets. All shards: --gpus in order, default
+    0..shards-1. One shard (--shard-index, e.g. under a scheduler): the single --gpus entry, default the first
+    visible GPU (or the shard's entry of a --gpus list with one GPU per shard)."""
+    if not n_gpu:
+        return {}
+    if shard_index is not None:
+        if gpus is not None and len(gpus) not in (1, num_shards):
+            raise ExtractError(f"--shard-index runs one shard: give --gpus one GPU (or one per shard); it names "
+                               f"{len(gpus)}: {gpus}")
+        chosen = {shard_index: (gpus or [0])[shard_index if gpus and len(gpus) > 1 else 0]}
+    else:
+        gpus = list(range(num_shards)) if gpus is None else gpus
+        if len(gpus) < num_shards:
+            raise ExtractError(f"--shards {num_shards} needs {num_shards} GPUs but --gpus names {len(gpus)}: {gpus}")
+        chosen = dict(enumerate(gpus[:num_shards]))
+    bad = sorted({g for g in chosen.values() if g >= n_gpu})
+    if bad:
+        raise ExtractError(f"--gpus {bad}: this process sees {n_gpu} GPU(s) (0..{n_gpu - 1})")
+    return chosen
+
+
 def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], shards: Optional[int],
                 gpus: Optional[list[int]], shard_index: Optional[int], store: Optional[str], command: str) -> int:
     from data.ingest import ingest
@@ -170,17 +192,11 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     import torch
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus is None:
-        gpus = list(range(num_shards)) if n_gpu else []
-    if n_gpu and shard_index is None and len(gpus) < num_shards:
-        raise ExtractError(f"--shards {num_shards} needs {num_shards} GPUs but --gpus names {len(gpus)}: {gpus}")
-    if n_gpu and any(g >= n_gpu for g in gpus):
-        raise ExtractError(f"--gpus {gpus}: this machine has {n_gpu} GPU(s) (0..{n_gpu - 1})")
+    gpu_of = shard_gpus(gpus, num_shards, shard_index, n_gpu)  # shard -> GPU index as this process sees it
     if n_gpu:
         from pipeline.preflight import check_gpus_free
 
-        check_gpus_free([gpus[0] if shard_index is not None and len(gpus) == 1 else gpus[i] for i in todo],
-                        need_gib=_target_gib(cfg.target.path) + 8)
+        check_gpus_free([gpu_of[i] for i in todo], need_gib=_target_gib(cfg.target.path) + 8)
     _disk_check(store_path, provenance, samples, num_shards, todo)
     resume_hint = f"resume with the same command: {command}"
     logs = _log_dir(store_path)
@@ -196,7 +212,9 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     for i in todo:
         env = dict(os.environ)
         if n_gpu:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpus[0] if shard_index is not None and len(gpus) == 1 else gpus[i])
+            from pipeline.preflight import physical_gpu
+
+            env["CUDA_VISIBLE_DEVICES"] = physical_gpu(gpu_of[i])  # through the scheduler's CUDA_VISIBLE_DEVICES
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
         cmd = [sys.executable, "-m", "stages.extract_worker", "--config", str(config_path or ""), "--shard-index",

@@ -3,7 +3,7 @@
 import pytest
 
 from pipeline import preflight
-from pipeline.preflight import PreflightError, compile_cache_dir, compile_cache_root, disk_warning, parse_gpu_usage
+from pipeline.preflight import PreflightError, compile_cache_dir, compile_cache_root, physical_gpu, disk_warning, parse_gpu_usage
 
 
 def test_busy_gpu_is_named_with_its_holders(monkeypatch):
@@ -35,3 +35,29 @@ def test_compile_cache_root_is_shared_and_overridable(monkeypatch, tmp_path):
     monkeypatch.delenv("DFLASH_COMPILE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache_root() == tmp_path / "xdg" / "dflash" / "compile"
+
+
+def test_gpu_indices_map_through_the_schedulers_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert physical_gpu(3) == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    assert (physical_gpu(0), physical_gpu(1)) == ("5", "7")  # a child given "0" would land on someone's GPU 0
+    with pytest.raises(PreflightError, match="CUDA_VISIBLE_DEVICES=5,7 shows 2 GPU"):
+        physical_gpu(2)
+
+
+def test_shard_gpu_choice():
+    from stages.extract import ExtractError, shard_gpus
+
+    assert shard_gpus(None, 5, None, 8) == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4}
+    assert shard_gpus([3, 4], 2, None, 8) == {0: 3, 1: 4}
+    assert shard_gpus(None, 5, 3, 1) == {3: 0}  # one shard under a scheduler: its (first visible) GPU
+    assert shard_gpus([2], 5, 3, 4) == {3: 2}
+    assert shard_gpus([0, 1, 2, 3, 4], 5, 3, 8) == {3: 3}
+    assert shard_gpus(None, 5, None, 0) == {}
+    with pytest.raises(ExtractError, match="needs 5 GPUs"):
+        shard_gpus([0, 1], 5, None, 8)
+    with pytest.raises(ExtractError, match="sees 2 GPU"):
+        shard_gpus([0, 3], 2, None, 2)
+    with pytest.raises(ExtractError, match="one GPU"):
+        shard_gpus([0, 1], 5, 3, 8)
