@@ -13,6 +13,9 @@ what is in them):
               outliers int32 [L, 4]      the 4 largest |x| of each token and layer, exact:
                                          (channel << 16) | bf16 bits                     N + 0.525 (H=5120)
 
+    intA+intBlast  the deepest captured layer in intB, the others in intA (mixed precision by layer):
+              intA's parts over layers [0, L-1) plus "last_"-prefixed intB parts over layer L-1
+
 intN is symmetric round-to-nearest with small group scales (GPTQ/AWQ-style groups of 32), plus the 4
 largest-magnitude values of each token and layer kept exactly and zeroed before quantising. Large models
 carry a few "massive activation" channels at 100-1000x the typical magnitude: without the outlier
@@ -37,14 +40,17 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUP = 32  # channels per scale in the intN encodings
 OUTLIERS = 4  # exact values kept per token and layer in the intN encodings
 INT_BITS = {"int8": 8, "int6": 6, "int5": 5, "int4": 4}
-ENCODINGS = ("bf16", "fp8", *INT_BITS)
+# mixed precision by layer: (encoding of layers [0, L-1), encoding of the deepest captured layer L-1)
+MIXED = {"int4+int8last": ("int4", "int8"), "int5+int8last": ("int5", "int8")}
+LAST = "last_"  # prefix of the deepest layer's parts in a mixed encoding
+ENCODINGS = ("bf16", "fp8", *INT_BITS, *MIXED)
 _FP16_MAX, _FP16_TINY = 65504.0, 2.0**-24
 
 
 def check(encoding: str, hidden_size: int) -> None:
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown feature encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
-    if encoding in INT_BITS and hidden_size % GROUP:
+    if (encoding in INT_BITS or encoding in MIXED) and hidden_size % GROUP:
         raise ValueError(f"encoding {encoding!r} needs a hidden size divisible by {GROUP} (got {hidden_size}); "
                          "use bf16 or fp8 for this target")
 
@@ -56,6 +62,12 @@ def parts_spec(encoding: str, L: int, H: int) -> dict[str, tuple[tuple[int, ...]
         return {"features": ((L, H), "uint16")}
     if encoding == "fp8":
         return {"features": ((L, H), "uint8"), "scales": ((L,), "float32")}
+    if encoding in MIXED:
+        if L < 2:
+            raise ValueError(f"encoding {encoding!r} needs at least 2 captured layers (got {L}); use "
+                             f"{MIXED[encoding][0]} for this target")
+        base, last = MIXED[encoding]
+        return {**parts_spec(base, L - 1, H), **{LAST + k: v for k, v in parts_spec(last, 1, H).items()}}
     n = INT_BITS[encoding]
     return {"features": ((L, n * H // 8), "uint8"), "scales": ((L, H // GROUP), "float16"),
             "outliers": ((L, OUTLIERS), "int32")}
@@ -63,7 +75,7 @@ def parts_spec(encoding: str, L: int, H: int) -> dict[str, tuple[tuple[int, ...]
 
 def part_names(encoding: str) -> tuple[str, ...]:
     """The names of an encoding's parts, "features" first (the store keeps one per-token array per part)."""
-    return tuple(parts_spec(encoding, 1, GROUP))
+    return tuple(parts_spec(encoding, 2, GROUP))
 
 
 def raw_bytes_per_token(encoding: str, L: int, H: int) -> int:
@@ -81,6 +93,10 @@ def encode(x: torch.Tensor, encoding: str) -> dict[str, torch.Tensor]:
         scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         q = (xf / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return {"features": q.view(torch.uint8), "scales": scales.contiguous()}
+    if encoding in MIXED:
+        base, last = MIXED[encoding]
+        parts = encode(x[..., :-1, :], base)
+        return {**parts, **{LAST + k: v for k, v in encode(x[..., -1:, :], last).items()}}
     return _encode_int(x, INT_BITS[encoding])
 
 
@@ -94,6 +110,11 @@ def decode(parts: Mapping[str, torch.Tensor], encoding: str, dtype: torch.dtype 
         return x.to(dtype)
     if encoding in INT_BITS:
         return _decode_int(f, parts["scales"], parts["outliers"], INT_BITS[encoding]).to(dtype)
+    if encoding in MIXED:
+        base, last = MIXED[encoding]
+        head = decode({k: v for k, v in parts.items() if not k.startswith(LAST)}, base, dtype)  # [..., L-1, H]
+        tail = decode({k[len(LAST):]: v for k, v in parts.items() if k.startswith(LAST)}, last, dtype)  # [..., 1, H]
+        return torch.cat([head, tail], dim=-2)
     raise ValueError(f"unknown feature encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
 
 

@@ -71,7 +71,7 @@ def _codecs(typesize: int, clevel: int) -> list:
 def feature_dtype(encoding: str) -> str:
     if encoding not in ENCODINGS:
         raise StoreError(f"unknown feature encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
-    return parts_spec(encoding, 1, 32)["features"][1]
+    return parts_spec(encoding, 2, 32)["features"][1]
 
 
 def token_arrays(encoding: str) -> tuple[str, ...]:

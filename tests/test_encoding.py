@@ -50,7 +50,7 @@ def test_bf16_is_exact_and_int_error_halves_per_bit():
     assert errs[4] > 1.7 * errs[5] > 1.7 ** 2 * errs[6]  # each bit roughly halves the error
 
 
-@pytest.mark.parametrize("encoding", ["fp8", "int8", "int6", "int5", "int4"])
+@pytest.mark.parametrize("encoding", ["fp8", "int8", "int6", "int5", "int4", "int4+int8last"])
 def test_no_collapse_on_massive_activation_channels(encoding):
     """The ordinary channels keep their accuracy next to outliers 1000x larger (per-token int8 would not)."""
     x = activations(massive=True)
@@ -62,7 +62,7 @@ def test_no_collapse_on_massive_activation_channels(encoding):
     base = rel(decode(encode(activations(massive=False), encoding), encoding, torch.float32),
                activations(massive=False).float())
     assert err_normal < 1.5 * base + 1e-3, (err_normal, base)
-    if encoding in INT_BITS:  # the outliers themselves are kept exactly
+    if encoding != "fp8":  # the outliers themselves are kept exactly
         assert torch.equal(y[..., [5, 77]], xf[..., [5, 77]])
     # the group next to an outlier channel (channels 0..31 hold channel 5) is not quantised to zero
     assert rel(y[..., 0:5], xf[..., 0:5]) < 0.2
@@ -80,7 +80,7 @@ def test_per_token_int8_would_collapse_there():
 
 def test_decode_works_on_padded_batches():
     """The loader pads encoded parts; decoding a [B, S, ...] batch equals decoding each sample."""
-    for encoding in ("fp8", "int4"):
+    for encoding in ("fp8", "int4", "int5+int8last"):
         items = []
         for n, seed in ((7, 1), (12, 2)):
             x = activations(T=n, seed=seed)
@@ -92,6 +92,18 @@ def test_decode_works_on_padded_batches():
         for b, it in enumerate(items):
             n = len(it["tokens"])
             torch.testing.assert_close(y[b, :n], decode(it, encoding, torch.float32))
+
+
+def test_mixed_by_layer_is_its_two_encodings():
+    """int4+int8last: the deepest captured layer in int8, the others in int4, decoded back in layer order."""
+    x = activations(L=4)
+    y = decode(encode(x, "int4+int8last"), "int4+int8last", torch.float32)
+    torch.testing.assert_close(y[:, :3], decode(encode(x[:, :3], "int4"), "int4", torch.float32), rtol=0, atol=0)
+    torch.testing.assert_close(y[:, 3:], decode(encode(x[:, 3:], "int8"), "int8", torch.float32), rtol=0, atol=0)
+    bpt = raw_bytes_per_token("int4+int8last", 5, 5120)
+    assert bpt == raw_bytes_per_token("int4", 4, 5120) + raw_bytes_per_token("int8", 1, 5120)
+    with pytest.raises(ValueError, match="at least 2 captured layers.*use int5"):
+        parts_spec("int5+int8last", 1, 256)
 
 
 def test_unknown_encoding_and_bad_hidden_size_are_clear():
