@@ -101,7 +101,7 @@ class TrainConfig:
     max_steps: int = -1  # -1: run all epochs
     grad_clip: float = 1.0
     num_anchors: int = 512
-    gamma: float = 7.0
+    gamma: Optional[float] = None  # loss decay over block slots; None: the paper's value for drafter.block_size
     batch_size: int = 1  # sequences per micro-batch per rank
     accumulate_grad_batches: int = 1
     loss_chunk_rows: int = 4096  # rows of logits materialised at once
@@ -309,6 +309,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg.data.validation_files = [resolve_path(p, cwd) for p in cfg.data.validation_files]
     if not cfg.target.name:
         cfg.target.name = cfg.target.path
+    if cfg.train.gamma is None:  # follows the block size (7 for 16, 5 for 10, 4 for 8) unless set
+        cfg.train.gamma = gamma_for_block(cfg.drafter.block_size)
     return cfg
 
 

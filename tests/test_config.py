@@ -67,3 +67,12 @@ def test_layer_id_rule():
     assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert build_target_layer_ids(8, 3) == [1, 3, 5]
     assert build_target_layer_ids(36, 1) == [18]
+
+
+def test_gamma_follows_the_block_size_unless_set():
+    """The loss decay is the paper's value for the block size: changing drafter.block_size alone must not leave
+    the 16-slot gamma behind."""
+    assert load_config().train.gamma == 4.0  # tiny: block size 8
+    assert load_config(None, ["drafter.block_size=16"]).train.gamma == 7.0
+    assert load_config(None, ["drafter.block_size=10"]).train.gamma == 5.0
+    assert load_config(None, ["drafter.block_size=16", "train.gamma=3.5"]).train.gamma == 3.5
