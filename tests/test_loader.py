@@ -1,0 +1,70 @@
+"""The data path of training (data/store_dataset.py): rank batches and per-epoch anchors, on a small store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from data.store_dataset import RankBatchSampler, StoreDataset
+from pipeline import store as st
+from pipeline.encoding import encode
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("loader") / "s.zarr")
+    prov = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_size": 64, "vocab_size": 100,
+            "num_hidden_layers": 8, "tie_word_embeddings": False}, "layer_ids": [1, 3], "hidden_size": 64,
+            "encoding": "int5", "chunk_tokens": 64, "clevel": 1, "num_shards": 1,
+            "dataset": {"fingerprint": "t", "validation_samples": 0}, "max_length": 256}
+    st.create_or_open_store(path, prov)
+    w = st.ShardWriter(path, 0, prov)
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(40, 200, (12,), generator=g)]
+    w.start("plan", len(lengths), sum(lengths))
+    for i, n in enumerate(lengths):
+        parts = {k: v.numpy() for k, v in encode(torch.randn(n, 2, 64, generator=g), "int5").items()}
+        mask = np.ones(n, np.uint8)
+        mask[:10] = 0  # a prompt: no anchors there
+        w.write_batch(np.array([i + 1], np.uint64), np.zeros(1, np.uint8), np.array([n], np.int32),
+                      np.arange(n, dtype=np.int32) % 100, mask, parts)
+    w.finish()
+    return path, lengths
+
+
+def test_rank_batches_split_each_epoch_evenly_and_reshuffle():
+    lengths = list(range(30, 53))  # 23 samples
+    ranks = [RankBatchSampler(lengths, 2, rank=r, world_size=3, seed=1) for r in range(3)]
+    orders = []
+    for epoch in (0, 1):
+        for s in ranks:
+            s.sampler.set_epoch(epoch)  # where Lightning sets it
+        per_rank = [list(s) for s in ranks]
+        assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == len(ranks[0])  # same count per rank
+        flat = [i for b in per_rank for batch in b for i, e in batch if e == epoch]
+        assert len(flat) == len(set(flat))  # no sample twice in an epoch across ranks
+        orders.append([i for batch in per_rank[0] for i, _ in batch])
+    assert orders[0] != orders[1]  # a new order each epoch
+    s = RankBatchSampler(lengths, 2, seed=1)
+    full = list(s)
+    s.resume(0, 3)
+    assert list(s) == full[3:]  # a resumed run skips the batches it already trained on, once
+    assert list(s) == full
+
+
+def test_anchors_are_fresh_each_epoch_and_fixed_for_validation(small_store):
+    path, lengths = small_store
+    train = StoreDataset(path, list(range(len(lengths))), num_anchors=8, seed=0)
+    val = StoreDataset(path, list(range(len(lengths))), num_anchors=8, seed=0, fixed_anchors=True)
+    for pos, n in enumerate(lengths):
+        a0, a1, a0_again = train[(pos, 0)]["anchors"], train[(pos, 1)]["anchors"], train[(pos, 0)]["anchors"]
+        assert torch.equal(a0, a0_again)  # reproducible (resume gets the same anchors)
+        assert a0.numel() == 8 and bool((a0 >= 10).all()) and bool((a0 < n - 1).all())  # supervised, a+1 < S
+        assert torch.equal(a0, torch.sort(a0).values)
+        if pos < 4:
+            assert not torch.equal(a0, a1)  # a new epoch draws new anchors
+            assert torch.equal(val[(pos, 0)]["anchors"], val[(pos, 1)]["anchors"])
+    item = train[(0, 0)]
+    assert set(item) == {"tokens", "loss_mask", "anchors", "features", "scales", "outliers"}  # still encoded
+    assert item["tokens"].shape == (lengths[0],) and item["features"].shape[:2] == (lengths[0], 2)
