@@ -79,6 +79,40 @@ def test_features_equal_reference_forward(two_shard_store):
         torch.testing.assert_close(got, ref.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
 
 
+def test_frozen_head_file_is_the_targets_embedding_head_and_norm(two_shard_store):
+    from safetensors.torch import load_file
+
+    cfg = load_config(TINY)
+    model = load_target(cfg.target.path, torch.float32, torch.device("cpu"))
+    head = load_file(st.frozen_head_path(two_shard_store))
+    assert torch.equal(head["embed_tokens.weight"], model.get_input_embeddings().weight)
+    tied = bool(model.config.tie_word_embeddings)
+    assert st.read_root_attrs(two_shard_store)["target"]["tie_word_embeddings"] == tied
+    # a tied target (the tiny one is) stores the embedding once; training uses it as the head
+    got = head["embed_tokens.weight"] if tied else head["lm_head.weight"]
+    assert ("lm_head.weight" in head) != tied
+    assert torch.equal(got, model.get_output_embeddings().weight)
+    assert torch.equal(head["norm.weight"], model.model.norm.weight)
+
+
+def test_tied_target_head_is_its_embedding(tmp_path):
+    """A tied target's checkpoint has no lm_head.weight; the head must be the embedding, never a fresh matrix."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pipeline.target import frozen_head_tensors
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "tied")
+    model = load_target(str(tmp_path / "tied"), torch.float32, torch.device("cpu"))
+    t = frozen_head_tensors(model)
+    assert torch.equal(t["lm_head.weight"], t["embed_tokens.weight"])
+    ids = torch.randint(0, 64, (1, 9))
+    out = model(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(out.logits, out.hidden_states[-1] @ t["lm_head.weight"].T, rtol=1e-5, atol=1e-5)
+
+
 def test_plain_zarr_read_without_dflash(two_shard_store):
     code = f"""
 import json, sys, numpy as np, zarr
