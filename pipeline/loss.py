@@ -14,7 +14,7 @@ Rows with label IGNORE_INDEX (or weight 0) are skipped entirely (padded anchors,
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -112,29 +112,18 @@ def chunked_weighted_ce(
     return loss_sum, correct.view(shape)
 
 
-def normalised_loss(
-    loss_sum: Tensor,
-    weight_sum_local: Tensor,
-    world_size: int = 1,
-    all_reduce_fn: Optional[Callable[[Tensor], Tensor]] = None,
-    eps: float = 1e-6,
-) -> Tensor:
-    """The loss to call backward on: loss_sum / W_global * world_size.
+def normalised_loss(loss_sum: Tensor, weight_sum_global: Tensor, world_size: int = 1, eps: float = 1e-6) -> Tensor:
+    """The loss each rank calls backward on: loss_sum / W_global * world_size (what the training step returns).
 
     The DFlash loss is normalised by the sum of loss weights over ALL tokens of the global batch, not per rank:
     ranks hold different numbers of supervised tokens, and a per-rank mean would give a rank with 10 tokens the
-    same say as one with 10,000. DDP then AVERAGES gradients over ranks (divides their sum by world_size), so
-    each rank returns loss_sum_rank / W_global * world_size: the averaged gradient is exactly the gradient of
-    sum_over_ranks(loss_sum) / W_global. all_reduce_fn(t) must return the SUM of t over ranks (e.g. Lightning's
-    `self.all_gather(t).sum(0)` or torch.distributed.all_reduce on a clone); it is not differentiated through.
-    With gradient accumulation over M micro-batches, also divide by M (or use the window's global weight sum).
+    same say as one with 10,000. weight_sum_global is the SUM of the ranks' weight sums (all-reduced by the
+    caller); it is not differentiated through. DDP then AVERAGES gradients over ranks (divides their sum by
+    world_size), so returning loss_sum_rank / W_global * world_size makes the averaged gradient exactly the
+    gradient of sum_over_ranks(loss_sum) / W_global. Under gradient accumulation each micro-batch is
+    normalised by its own global sum (a known approximation: see docs/architecture.md).
     """
-    w = weight_sum_local.detach().to(torch.float32)
-    if world_size > 1:
-        if all_reduce_fn is None:
-            raise ValueError("normalised_loss: world_size > 1 needs an all_reduce_fn that sums over ranks")
-        w = all_reduce_fn(w.clone()).detach()
-    return loss_sum / w.clamp_min(eps) * world_size
+    return loss_sum / weight_sum_global.detach().to(torch.float32).clamp_min(eps) * world_size
 
 
 @torch.no_grad()

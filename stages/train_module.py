@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pipeline.config import Config
 from pipeline.drafter import DFlashDrafter, DrafterArch
 from pipeline.encoding import decode
-from pipeline.loss import chunked_weighted_ce
+from pipeline.loss import chunked_weighted_ce, normalised_loss
 from pipeline.masks import build_blocks, make_attend
 
 
@@ -122,7 +122,7 @@ class DrafterTask(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss_sum, stats = self._forward(batch)
         w_global, world = self._global_weight(loss_sum, stats["weight_sum"])
-        loss = loss_sum * world / w_global  # DDP averages gradients over ranks -> sum over ranks / W_global
+        loss = normalised_loss(loss_sum, w_global, world)  # DDP's average of these = sum over ranks / W_global
         acc = stats["hits"][1:] / stats["counts"][1:].clamp(min=1)
         if self.train_sampler is not None:
             self.train_sampler.consumed = batch_idx + 1

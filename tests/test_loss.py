@@ -54,15 +54,19 @@ def test_frozen_head_required():
 
 
 def test_normalised_loss_uses_global_weight_sum():
-    # two ranks: rank 0 has weight sum 3, rank 1 has 1 -> W_global = 4; DDP averages -> multiply by world size
-    loss_sum = torch.tensor(6.0, requires_grad=True)
-    out = normalised_loss(loss_sum, torch.tensor(3.0), world_size=2, all_reduce_fn=lambda t: t + 1.0)
-    assert torch.isclose(out, torch.tensor(6.0 / 4.0 * 2))
-    out.backward()
-    assert torch.isclose(loss_sum.grad, torch.tensor(0.5))
+    """Two ranks with 3 and 1 units of loss weight: averaging their gradients (what DDP does) must give the
+    gradient of the global weighted mean, sum(loss_sum) / W_global, not the mean of the two per-rank means."""
+    theta = torch.tensor(2.0, requires_grad=True)
+    sums = [lambda: 3.0 * theta**2, lambda: 1.0 * theta]  # each rank's weighted loss sum
+    weights = [torch.tensor(3.0), torch.tensor(1.0)]
+    w_global = weights[0] + weights[1]  # what the step's all-reduce gives
+    grad = lambda loss: torch.autograd.grad(loss, theta)[0]  # noqa: E731
+    ddp = (grad(normalised_loss(sums[0](), w_global, world_size=2))
+           + grad(normalised_loss(sums[1](), w_global, world_size=2))) / 2
+    torch.testing.assert_close(ddp, grad((sums[0]() + sums[1]()) / w_global))
+    per_rank_mean = (grad(sums[0]() / weights[0]) + grad(sums[1]() / weights[1])) / 2
+    assert not torch.isclose(ddp, per_rank_mean)  # the mistake this guards against differs here
     assert torch.isclose(normalised_loss(torch.tensor(6.0), torch.tensor(3.0)), torch.tensor(2.0))
-    with pytest.raises(ValueError):
-        normalised_loss(torch.tensor(1.0), torch.tensor(1.0), world_size=2)
 
 
 def test_slot_counts_and_tau():
