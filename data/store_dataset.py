@@ -134,13 +134,8 @@ class RankBatchSampler(torch.utils.data.Sampler):
 def worker_init(_worker_id: int) -> None:
     """DataLoader workers decode chunks; one thread each keeps them from fighting the training step for cores.
     Ctrl-C in a terminal reaches the whole process group: workers ignore it and let the training process stop
-    them (a worker dying of SIGINT would turn a clean stop into a DataLoader crash). If the training process
-    is killed outright (SIGKILL, the OOM killer) the kernel sends workers SIGTERM: without it they lingered for
-    minutes, hung in interpreter shutdown on the store's IO threads."""
-    from pipeline.preflight import die_with_parent
-
+    them (a worker dying of SIGINT would turn a clean stop into a DataLoader crash)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
     torch.set_num_threads(1)
     try:
         from numcodecs import blosc
