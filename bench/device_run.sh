@@ -17,7 +17,7 @@ for part in "$@"; do
       python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_warm.json" 2>&1 | tail -4 ;;
     gpufix) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider --tb=short -k "bounded_recompiles or under_autocast" 2>&1 | tail -25 ;;
     attntests) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
-    e2e) python3 bench/train_e2e.py --root /tmp/e2e --steps 8 --out "$OUT/train_e2e.json" 2>&1 | tail -6 ;;
+    e2e) python3 bench/train_e2e.py --root /tmp/e2e --samples 8 --steps 5 --out "$OUT/train_e2e.json" 2>&1 | tail -6 ;;
     sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;
