@@ -7,6 +7,7 @@ validation split and online against the target (serving hands the drafter exact 
 training store held). Prints mean and spread per encoding. Resumable: finished runs are reused.
 
     python bench/encoding_tau.py --out runs/encoding-tau --encodings bf16,fp8,int6,int5,int4 --seeds 0,1,2
+    python bench/encoding_tau.py --out runs/tau-gpu --encodings bf16,int5 --seeds 0..19 --jobs 8 --threads 2  # GPU
 """
 
 from __future__ import annotations
@@ -17,58 +18,91 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ["train.batch_size=8", "train.epochs=3", "train.val_every=100000", "train.num_workers=0"]
 
 
-def dflash(*args: str) -> None:
+def dflash(*args: str, env: dict | None = None, log: Path | None = None) -> None:
+    """Run one dflash command; with `log` its output goes there (runs side by side would interleave)."""
     cmd = [sys.executable, "-m", "pipeline.cli", *args]
     print("+ dflash " + " ".join(args), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
+    full_env = {**os.environ, **(env or {})}
+    if log is None:
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env=full_env)
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=full_env).returncode:
+            raise RuntimeError(f"dflash {args[0]} failed; its output is in {log}")
 
 
 def sets(items: list[str]) -> list[str]:
     return [a for s in items for a in ("--set", s)]
 
 
+def one_run(out: Path, ref: Path, enc: str, seed: int, results: Path, lock: threading.Lock, env: dict,
+            extra: list[str]) -> dict:
+    """Train (unless done) and evaluate the drafter of one (encoding, seed); append its row to results."""
+    store = out / "stores" / f"{enc}.zarr"
+    run = out / "runs" / f"{enc}-s{seed}"
+    if not (run / "summary.json").exists():
+        dflash("train", "--store", str(store), *sets([*TRAIN, *extra, f"train.seed={seed}", f"train.run_dir={run}"]),
+               env=env, log=out / "logs" / f"{enc}-s{seed}.log")
+    ev = run / "eval"
+    dflash("eval", str(run / "export"), "--store", str(ref), "--online", "--out", str(ev), env=env,
+           log=out / "logs" / f"{enc}-s{seed}.log")
+    rep = json.loads((ev / "report.json").read_text())
+    row = {"encoding": enc, "seed": seed, "offline_tau": rep["offline"]["tau"],
+           "serving_walk_tau": rep["offline"]["serving_walk"]["tau"], "online_tau": rep["online"]["tau"],
+           "lossless": rep["online"]["mismatches"] == 0, "store_bytes_per_token": _bpt(store)}
+    with lock, results.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/encoding-tau")
     ap.add_argument("--encodings", default="bf16,fp8,int6,int5,int4")
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", default="0,1,2", help="comma list, or a range like 0..19")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (on a GPU several tiny drafters share it)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads per run (OMP_NUM_THREADS); 0 = torch's default")
+    ap.add_argument("--cpu", action="store_true", help="hide the GPUs (the CPU results in docs/benchmarks.md)")
+    ap.add_argument("--set", action="append", default=[], help="extra training override (smoke runs)")
     a = ap.parse_args()
+    seeds = (list(range(int(a.seeds.split("..")[0]), int(a.seeds.split("..")[1]) + 1)) if ".." in a.seeds
+             else [int(x) for x in a.seeds.split(",")])
+    encodings = a.encodings.split(",")
+    env = {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
+    if a.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     out = Path(a.out).resolve()
     ref = out / "stores" / "bf16.zarr"
     if not (out / "stores" / "bf16.done").exists():
-        dflash("extract", "--store", str(ref), *sets(["store.encoding=bf16"]))
+        dflash("extract", "--store", str(ref), *sets(["store.encoding=bf16"]), env=env)
         (out / "stores" / "bf16.done").write_text("")
+    for enc in encodings:
+        if enc != "bf16" and not (out / "stores" / f"{enc}.done").exists():
+            dflash("recode", str(ref), str(out / "stores" / f"{enc}.zarr"), "--encoding", enc, env=env)
+            (out / "stores" / f"{enc}.done").write_text("")
     results = out / "results.jsonl"
     done = {(r["encoding"], r["seed"]) for r in map(json.loads, results.read_text().splitlines())} if results.exists() else set()
-    for enc in a.encodings.split(","):
-        store = out / "stores" / f"{enc}.zarr"
-        if enc != "bf16" and not (out / "stores" / f"{enc}.done").exists():
-            dflash("recode", str(ref), str(store), "--encoding", enc)
-            (out / "stores" / f"{enc}.done").write_text("")
-        for seed in map(int, a.seeds.split(",")):
-            if (enc, seed) in done:
-                continue
-            run = out / "runs" / f"{enc}-s{seed}"
-            if not (run / "summary.json").exists():
-                dflash("train", "--store", str(store), *sets([*TRAIN, f"train.seed={seed}", f"train.run_dir={run}"]))
-            ev = run / "eval"
-            dflash("eval", str(run / "export"), "--store", str(ref), "--online", "--out", str(ev))
-            rep = json.loads((ev / "report.json").read_text())
-            row = {"encoding": enc, "seed": seed, "offline_tau": rep["offline"]["tau"],
-                   "serving_walk_tau": rep["offline"]["serving_walk"]["tau"], "online_tau": rep["online"]["tau"],
-                   "lossless": rep["online"]["mismatches"] == 0, "store_bytes_per_token": _bpt(store)}
-            with results.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
+    # seed-major order: the pairs (same seed, every encoding) complete together, so a run cut short still
+    # leaves whole pairs to compare
+    todo = [(enc, seed) for seed in seeds for enc in encodings if (enc, seed) not in done]
+    lock = threading.Lock()
+    if todo:  # the first run alone: it fills the shared compile cache that the others then reuse
+        one_run(out, ref, *todo[0], results, lock, env, a.set)
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        for fut in [pool.submit(one_run, out, ref, enc, seed, results, lock, env, a.set) for enc, seed in todo[1:]]:
+            fut.result()
     rows = [json.loads(x) for x in results.read_text().splitlines()]
-    table(rows, a.encodings.split(","))
+    table(rows, encodings)
 
 
 def table(rows: list[dict], encodings: list[str]) -> None:
@@ -90,6 +124,24 @@ def table(rows: list[dict], encodings: list[str]) -> None:
             dm, dsd = (statistics.mean(d), statistics.stdev(d) if len(d) > 1 else 0.0) if d else (float("nan"), 0.0)
             cells.append(f"{statistics.mean(v):.3f}±{sd:.3f} ({dm:+.1f}±{dsd:.1f}%)")
         print(f"{enc:<9}{rs[0]['store_bytes_per_token']:>9.0f}" + "".join(f"{c:>32}" for c in cells) + f"{len(rs):>7}")
+    for enc in encodings:  # the paired difference's 95% interval: is a 1% difference resolved?
+        if enc == "bf16":
+            continue
+        for k in keys:
+            d = [100 * (r[k] / ref[(r["seed"], k)] - 1) for r in rows if r["encoding"] == enc and (r["seed"], k) in ref]
+            if len(d) > 1:
+                half = _t975(len(d) - 1) * statistics.stdev(d) / len(d) ** 0.5
+                m = statistics.mean(d)
+                print(f"{enc} vs bf16, {k}: {m:+.2f}% (95% interval {m - half:+.2f} .. {m + half:+.2f}%, {len(d)} pairs)")
+
+
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+         15: 2.13, 19: 2.09, 24: 2.06, 29: 2.05}
+
+
+def _t975(df: int) -> float:
+    """Student's t 97.5% quantile (two-sided 95%), from the table at the nearest df not above (conservative)."""
+    return _T975[max(k for k in _T975 if k <= df)] if df < 30 else 1.96 + 2.4 / df
 
 
 def _bpt(store: Path) -> float:

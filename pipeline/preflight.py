@@ -8,6 +8,8 @@ Contract:
   free space than the estimate, else None.
 - `die_with_parent()` asks Linux to SIGTERM the calling process when its parent dies, so workers and DDP
   ranks never run on as orphans holding GPU memory.
+- `usable_cores()` is the number of cores this process may run on (its CPU affinity, which a scheduler's
+  cgroup sets), not the machine's count.
 - `compile_cache_dir(root, key_parts)` is a directory keyed by what produced the artifacts (torch version,
   dflash version, the model configuration); different code never shares a cache, so nobody deletes one
   by hand. `rebuild=True` empties it first.
@@ -22,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -57,6 +60,13 @@ def parse_gpu_usage(gpus_csv: list[list[str]], apps_csv: list[list[str]]) -> dic
     return info
 
 
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def physical_gpu(g: int) -> str:
     """A GPU index as this process sees it (torch, --gpus) -> the device a child's CUDA_VISIBLE_DEVICES names.
 
@@ -73,24 +83,26 @@ def physical_gpu(g: int) -> str:
 
 
 def check_gpus_free(gpus: list[int], need_gib: float) -> None:
-    """gpus: indices as this process sees them (mapped through CUDA_VISIBLE_DEVICES to nvidia-smi's)."""
+    """gpus: indices as this process sees them (mapped through CUDA_VISIBLE_DEVICES to nvidia-smi's); a GPU
+    named k times (k workers share it) must have k x need_gib free."""
     rows = _smi("index,uuid,memory.used,memory.total")
     if rows is None:
         return
     apps = _smi("gpu_uuid,pid,process_name,used_memory", "--query-compute-apps") or []
     info = parse_gpu_usage(rows, apps)
     problems = []
-    for g in gpus:
+    for g, k in Counter(gpus).items():
         g = physical_gpu(g)
         if not g.isdigit():
             continue  # named by UUID: nvidia-smi's index table cannot check it
         g = int(g)
         if g not in info:
             problems.append(f"GPU {g} does not exist (this machine has {sorted(info)})")
-        elif info[g]["free_gib"] < need_gib:
+        elif info[g]["free_gib"] < need_gib * k:
             held = ", ".join(info[g]["holders"]) or "unknown processes"
             problems.append(f"GPU {g} has {info[g]['free_gib']:.1f} GiB free of {info[g]['total_gib']:.0f}, the job needs "
-                            f"~{need_gib:.0f} GiB; held by {held}")
+                            f"~{need_gib * k:.0f} GiB" + (f" ({k} workers x {need_gib:.0f})" if k > 1 else "")
+                            + f"; held by {held}")
     if problems:
         raise PreflightError("GPUs not available:\n  " + "\n  ".join(problems)
                              + "\nStop what holds them or pick others with --gpus.")

@@ -152,7 +152,8 @@ class Monitor:
 def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index: Optional[int], n_gpu: int) -> dict[int, int]:
     """Which GPU (index among the visible ones) each shard to run gets. All shards: --gpus in order, default
     0..shards-1. One shard (--shard-index, e.g. under a scheduler): the single --gpus entry, default the first
-    visible GPU (or the shard's entry of a --gpus list with one GPU per shard)."""
+    visible GPU (or the shard's entry of a --gpus list with one GPU per shard). More shards than visible GPUs
+    and no --gpus: the shards take the GPUs in turn (several workers on one GPU; the memory check counts them)."""
     if not n_gpu:
         return {}
     if shard_index is not None:
@@ -161,7 +162,7 @@ def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index: Optional
                                f"{len(gpus)}: {gpus}")
         chosen = {shard_index: (gpus or [0])[shard_index if gpus and len(gpus) > 1 else 0]}
     else:
-        gpus = list(range(num_shards)) if gpus is None else gpus
+        gpus = [i % n_gpu for i in range(num_shards)] if gpus is None else gpus
         if len(gpus) < num_shards:
             raise ExtractError(f"--shards {num_shards} needs {num_shards} GPUs but --gpus names {len(gpus)}: {gpus}")
         chosen = dict(enumerate(gpus[:num_shards]))
@@ -196,7 +197,11 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     if n_gpu:
         from pipeline.preflight import check_gpus_free
 
-        check_gpus_free([gpu_of[i] for i in todo], need_gib=_target_gib(cfg.target.path) + 8)
+        placed = [gpu_of[i] for i in todo]
+        if len(set(placed)) < len(placed):
+            print(f"extract: {len(placed)} shards on {len(set(placed))} GPU(s) {sorted(set(placed))}; "
+                  "--gpus or --shards changes that", file=sys.stderr)
+        check_gpus_free(placed, need_gib=_target_gib(cfg.target.path) + 8)
     _disk_check(store_path, provenance, samples, num_shards, todo)
     resume_hint = f"resume with the same command: {command}"
     logs = _log_dir(store_path)
@@ -204,7 +209,9 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
 
     if not isinstance(sys.stderr, Tee):  # the parent's own lines go to STORE/logs/extract.log too
         sys.stderr = Tee(sys.stderr, logs / "extract.log")
-    cpu_threads = max(1, (os.cpu_count() or 1) // len(todo))
+    from pipeline.preflight import usable_cores
+
+    cpu_threads = max(1, usable_cores() // len(todo))
     procs: dict[int, subprocess.Popen] = {}
     monitor = Monitor(todo)
     status_file = logs / "extract-status.json"

@@ -3,6 +3,8 @@
 Contract: rank 0 prints one line every `every` optimizer steps to stderr (which works under nohup, tmux or
 a scheduler's log, unlike a redrawn bar) and mirrors it to RUN/progress.json, which `dflash status`-style
 tools and people in another shell can read while the run goes on. Nothing here touches the training math.
+The end of a run: `FinalCheckpoint` writes RUN/checkpoints/last.ckpt at the end of a completed fit (before
+Lightning's teardown), writing nothing when a checkpoint already holds the last step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 import lightning as L
 
@@ -122,3 +126,37 @@ class ForceOnSecondCtrlC(L.Callback):
 def _force_exit(_signum, _frame) -> None:
     print("train: forced stop (second Ctrl-C); checkpoints written before are kept", file=sys.stderr, flush=True)
     os._exit(130)
+
+
+def save_final(trainer, checkpoint, last: Path) -> None:
+    """Make RUN/checkpoints/last.ckpt hold the final state, writing only if no checkpoint has this step yet."""
+    if getattr(checkpoint, "_last_global_step_saved", -1) == trainer.global_step and last.exists():
+        return  # last.ckpt links the step checkpoint written at this very step
+    if trainer.is_global_zero and last.is_symlink():
+        last.unlink()  # write a new file; never overwrite the step checkpoint the link points at
+    trainer.save_checkpoint(last)  # every rank calls it (it synchronises); rank 0 writes
+
+
+class FinalCheckpoint(L.Callback):
+    """At the end of a completed fit, write last.ckpt while the weights are still on the GPU, then free them.
+
+    Lightning's teardown, which runs after `on_train_end`, copies the module and the optimizer state to host
+    memory (at the 27B shape ~21 GB of pageable copies, in the way of the user's final checkpoint) although
+    nothing uses them after this; a stopped run (Ctrl-C, SIGTERM) never reaches `on_train_end`."""
+
+    def __init__(self, checkpoint, last: Path):
+        self.checkpoint, self.last, self.saved = checkpoint, last, False
+
+    def on_train_end(self, trainer, pl_module):
+        t = time.time()
+        if trainer.is_global_zero:
+            print(f"train: training done; writing the final checkpoint {self.last}", file=sys.stderr, flush=True)
+        save_final(trainer, self.checkpoint, self.last)
+        self.saved = True
+        if trainer.is_global_zero:
+            print(f"train: final checkpoint written in {time.time() - t:.1f} s", file=sys.stderr, flush=True)
+        if pl_module.device.type == "cuda":  # the process is done with them: free instead of copying to the host
+            for opt in trainer.optimizers:
+                opt.state.clear()
+            for p in pl_module.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)

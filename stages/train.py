@@ -125,22 +125,13 @@ def _streaming_checkpoint_io():
     return StreamingCheckpointIO()
 
 
-def _save_final(trainer, checkpoint, last: Path) -> None:
-    """Make RUN/checkpoints/last.ckpt hold the final state, writing only if no checkpoint has this step yet."""
-    if getattr(checkpoint, "_last_global_step_saved", -1) == trainer.global_step and last.exists():
-        return  # last.ckpt links the step checkpoint written at this very step
-    if trainer.is_global_zero and last.is_symlink():
-        last.unlink()  # write a new file; never overwrite the step checkpoint the link points at
-    trainer.save_checkpoint(last)  # every rank calls it (it synchronises); rank 0 writes
-
-
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
               command: str, export: bool = True, rebuild_compile_cache: bool = False) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from stages.progress import ForceOnSecondCtrlC, ProgressLines, log_process_output
+    from stages.progress import FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, log_process_output, save_final
     from stages.train_module import DrafterTask
 
     store_path = store or cfg.store.path
@@ -170,9 +161,13 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         accel, devs = "cpu", (devices or 1)
         world = devs
         precision = "32-true"
-        # share the cores: OpenMP threads that outnumber cores spin against each other (10x slower steps)
-        spare = (os.cpu_count() or 1) // world - (1 if cfg.train.num_workers > 0 else 0)
-        torch.set_num_threads(max(1, spare))
+        # share the cores: OpenMP threads that outnumber cores spin against each other (10x slower steps);
+        # an explicit OMP_NUM_THREADS (several runs side by side) wins
+        if not os.environ.get("OMP_NUM_THREADS"):
+            from pipeline.preflight import usable_cores
+
+            spare = usable_cores() // world - (1 if cfg.train.num_workers > 0 else 0)
+            torch.set_num_threads(max(1, spare))
     strategy = "ddp" if world > 1 else "auto"
     if world > 1 and not use_gpu:
         from lightning.pytorch.strategies import DDPStrategy
@@ -205,6 +200,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     # save_last="link": last.ckpt is a symlink to the newest step checkpoint, not a second full copy
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last="link",
                                  save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
+    checkpoint_path = ckpt_dir / "last.ckpt"
+    final = FinalCheckpoint(checkpoint, checkpoint_path)
     loggers = [CSVLogger(run_dir, name="logs", version="")]
     try:
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -217,7 +214,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     trainer = L.Trainer(
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
-        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, ProgressLines(run_dir, cfg.train.log_every), ForceOnSecondCtrlC()],
+        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, ProgressLines(run_dir, cfg.train.log_every), ForceOnSecondCtrlC(), final],
         logger=loggers, log_every_n_steps=cfg.train.log_every, val_check_interval=min(cfg.train.val_every, len(sampler)),
         check_val_every_n_epoch=1, num_sanity_val_steps=0, use_distributed_sampler=False,
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,
@@ -235,8 +232,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
                   f"resume with: {hint}", file=sys.stderr)
             return 130
         raise
-    checkpoint_path = ckpt_dir / "last.ckpt"
-    _save_final(trainer, checkpoint, checkpoint_path)
+    if not final.saved:  # fit returned without on_train_end (nothing to train: resumed at the last step)
+        save_final(trainer, checkpoint, checkpoint_path)
     if trainer.is_global_zero:
         summary = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
                    "val": getattr(task, "last_val", {}), "checkpoint": str(checkpoint_path)}

@@ -17,6 +17,9 @@ def test_busy_gpu_is_named_with_its_holders(monkeypatch):
         preflight.check_gpus_free([0, 1], need_gib=60)
     with pytest.raises(PreflightError, match="GPU 7 does not exist"):
         preflight.check_gpus_free([7], need_gib=1)
+    preflight.check_gpus_free([0, 0], need_gib=60)  # two workers on GPU 0: 120 of its ~139 GiB free
+    with pytest.raises(PreflightError, match=r"GPU 0 has .* needs ~180 GiB \(3 workers x 60\)"):
+        preflight.check_gpus_free([0, 0, 0], need_gib=60)
 
 
 def test_disk_warning_and_keyed_cache(tmp_path):
@@ -55,6 +58,8 @@ def test_shard_gpu_choice():
     assert shard_gpus([2], 5, 3, 4) == {3: 2}
     assert shard_gpus([0, 1, 2, 3, 4], 5, 3, 8) == {3: 3}
     assert shard_gpus(None, 5, None, 0) == {}
+    assert shard_gpus(None, 2, None, 1) == {0: 0, 1: 0}  # the demo's 2 shards on a one-GPU machine share it
+    assert shard_gpus(None, 5, None, 2) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0}
     with pytest.raises(ExtractError, match="needs 5 GPUs"):
         shard_gpus([0, 1], 5, None, 8)
     with pytest.raises(ExtractError, match="sees 2 GPU"):
