@@ -96,10 +96,10 @@ def main() -> None:
     # leaves whole pairs to compare
     todo = [(enc, seed) for seed in seeds for enc in encodings if (enc, seed) not in done]
     lock = threading.Lock()
-    if todo:  # the first run alone: it fills the shared compile cache that the others then reuse
-        one_run(out, ref, *todo[0], results, lock, env, a.set)
+    if todo and not a.cpu:  # on a GPU the first run goes alone: it fills the compile cache the others reuse
+        one_run(out, ref, *todo.pop(0), results, lock, env, a.set)
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        for fut in [pool.submit(one_run, out, ref, enc, seed, results, lock, env, a.set) for enc, seed in todo[1:]]:
+        for fut in [pool.submit(one_run, out, ref, enc, seed, results, lock, env, a.set) for enc, seed in todo]:
             fut.result()
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     table(rows, encodings)

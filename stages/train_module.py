@@ -35,6 +35,12 @@ def tau_from_slot_acc(acc: torch.Tensor) -> float:
     return float(1.0 + torch.cumprod(acc.clamp(0, 1), 0).sum())
 
 
+def compute_dtype(device_type: str, precision: str) -> torch.dtype:
+    """dtype of the frozen embedding/head and of the decoded features: bf16 on GPU under bf16 precision;
+    fp32 on CPU and under "32-true" (whose fp32 layers would refuse bf16 inputs: no autocast casts them)."""
+    return torch.bfloat16 if device_type == "cuda" and precision.startswith("bf16") else torch.float32
+
+
 class DrafterTask(L.LightningModule):
     def __init__(self, cfg: Config, layer_ids: list[int], vocab_size: int, head_path: str, steps_per_epoch: int,
                  encoding: str, target_meta: Optional[dict] = None, store_path: str = ""):
@@ -61,7 +67,7 @@ class DrafterTask(L.LightningModule):
             t = load(read_bytes(self.head_path))
         embed = t["embed_tokens.weight"]
         head = t.get("lm_head.weight", embed)  # tied targets store the embedding once
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        dtype = compute_dtype(self.device.type, str(self.trainer.precision) if self._trainer else "32-true")
         self._embed = embed.to(self.device, dtype)
         self._head = head.to(self.device, dtype) if head is not embed else self._embed
 

@@ -187,3 +187,12 @@ def test_a_dead_rank_ends_the_job_without_hanging(tiny_store, tmp_path):
     assert rc != 0
     left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
+
+
+def test_compute_dtype_follows_precision():
+    """bf16 frozen head and features only under a bf16 precision on GPU: a "32-true" GPU run has fp32 layers
+    and no autocast, and bf16 inputs made its first linear fail."""
+    from stages.train_module import compute_dtype
+
+    assert compute_dtype("cuda", "bf16-mixed") == torch.bfloat16 and compute_dtype("cuda", "bf16-true") == torch.bfloat16
+    assert compute_dtype("cuda", "32-true") == torch.float32 and compute_dtype("cpu", "bf16-mixed") == torch.float32
