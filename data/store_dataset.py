@@ -9,14 +9,17 @@ Contract:
   shuffled epoch are dropped so the count divides the world size), groups samples of similar length to
   limit padding, and can skip the batches of an epoch that a resumed run already trained on.
 - `collate` pads to a multiple of `pad_multiple` (128 on GPU, fixed shapes keep compiled graphs few).
+- Under gradient accumulation `ResumableLoader` tags each batch with its window's total loss weight, so the
+  loss is normalised over the optimizer step's whole batch, not per micro-batch.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import signal
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -147,7 +150,21 @@ def worker_init(_worker_id: int) -> None:
 
 class ResumableLoader(torch.utils.data.DataLoader):
     """A DataLoader Lightning can checkpoint: its state is (epoch, batches the trainer consumed), not what the
-    workers prefetched, so a resumed run continues with exactly the next unseen batch."""
+    workers prefetched, so a resumed run continues with exactly the next unseen batch.
+
+    With `accumulate` > 1 and a `batch_weight` function, every batch also carries `window_weight`: the loss
+    weight of its whole gradient-accumulation window (see `accumulation_windows`)."""
+
+    accumulate: int = 1
+    batch_weight: Optional[Callable[[dict], float]] = None
+
+    def __iter__(self):
+        it = super().__iter__()
+        if self.accumulate <= 1 or self.batch_weight is None:
+            return it
+        bs = self.batch_sampler
+        offset = bs.skip if bs.epoch == bs.skip_epoch else 0  # a resumed epoch starts after its done batches
+        return accumulation_windows(it, self.accumulate, offset, self.batch_weight)
 
     def state_dict(self) -> dict:
         bs = self.batch_sampler
@@ -155,6 +172,24 @@ class ResumableLoader(torch.utils.data.DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.resume(int(state["epoch"]), int(state["batches_done"]))
+
+
+def accumulation_windows(batches: Iterator[dict], accumulate: int, offset: int,
+                         batch_weight: Callable[[dict], float]) -> Iterator[dict]:
+    """Yield `batches` unchanged but for batch["window_weight"] (float64 [] tensor): the summed loss weight of
+    the accumulation window the batch is in. Windows are the epoch's batch indices [kA, (k+1)A), as Lightning
+    steps the optimizer; an epoch resumed at `offset` starts inside one, and the epoch's last may be short.
+    Reads up to A - 1 batches ahead."""
+    pos = offset
+    while True:
+        group = list(itertools.islice(batches, accumulate - pos % accumulate))
+        if not group:
+            return
+        w = torch.tensor(sum(batch_weight(b) for b in group), dtype=torch.float64)
+        for b in group:
+            b["window_weight"] = w
+            yield b
+        pos += len(group)
 
 
 def collate(items: list[dict], pad_multiple: int = 1, num_anchors: Optional[int] = None) -> dict:

@@ -114,6 +114,12 @@ def build_blocks(
 # ----------------------------------------------------------------------------------------------------------
 
 
+
+def loss_weight_sum(tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int, gamma: float) -> float:
+    """The sum of `build_blocks`' loss weights for a batch: what the loader adds up over a gradient-accumulation
+    window, so the step can normalise by the window's weight (stages.train_module)."""
+    return float(build_blocks(tokens, loss_mask, anchors, block_size, 0, gamma).weights.sum())
+
 def dflash_mask_mod(
     anchors: Tensor, seq_lens: Tensor, ctx_len: int, block_size: int, window: Optional[int] = None
 ) -> Callable:

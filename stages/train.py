@@ -74,6 +74,12 @@ def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int
               multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
               persistent_workers=t.num_workers > 0, prefetch_factor=4 if t.num_workers > 0 else None)
     train_dl = ResumableLoader(train_ds, batch_sampler=sampler, **kw)
+    if t.accumulate_grad_batches > 1:  # normalise the loss over each accumulation window, not per micro-batch
+        from pipeline.masks import loss_weight_sum
+
+        train_dl.accumulate = t.accumulate_grad_batches
+        train_dl.batch_weight = lambda b: loss_weight_sum(b["tokens"], b["loss_mask"], b["anchors"],
+                                                          cfg.drafter.block_size, t.gamma)
     val_dl = None
     if val_idx:
         val_ds = StoreDataset(store_path, val_idx, t.num_anchors, t.seed, fixed_anchors=True)

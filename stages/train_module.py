@@ -127,8 +127,11 @@ class DrafterTask(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss_sum, stats = self._forward(batch)
-        w_global, world = self._global_weight(loss_sum, stats["weight_sum"])
+        window = batch.get("window_weight")  # under gradient accumulation: the window's weight (the loader's)
+        w_global, world = self._global_weight(loss_sum, stats["weight_sum"] if window is None else window)
         loss = normalised_loss(loss_sum, w_global, world)  # DDP's average of these = sum over ranks / W_global
+        if window is not None:  # Lightning divides each micro-batch's loss by accumulate_grad_batches: undo it,
+            loss = loss * self.trainer.accumulate_grad_batches  # so the window's gradient is sum / W_window
         acc = stats["hits"][1:] / stats["counts"][1:].clamp(min=1)
         if self.train_sampler is not None:
             self.train_sampler.consumed = batch_idx + 1

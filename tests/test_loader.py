@@ -68,3 +68,19 @@ def test_anchors_are_fresh_each_epoch_and_fixed_for_validation(small_store):
     item = train[(0, 0)]
     assert set(item) == {"tokens", "loss_mask", "anchors", "features", "scales", "outliers"}  # still encoded
     assert item["tokens"].shape == (lengths[0],) and item["features"].shape[:2] == (lengths[0], 2)
+
+
+def test_accumulation_windows_carry_their_windows_weight():
+    """Windows follow the epoch's batch index like Lightning's optimizer steps ([0,3), [3,6), [6,7) for 7
+    batches at 3); an epoch resumed at batch 4 starts inside the second window; nothing is dropped."""
+    from data.store_dataset import accumulation_windows
+
+    def run(n, acc, offset):
+        batches = [{"w": float(2 ** i)} for i in range(offset, n)]
+        out = list(accumulation_windows(iter(batches), acc, offset, lambda b: b["w"]))
+        assert [b["w"] for b in out] == [b["w"] for b in batches]  # same batches, same order
+        return [float(b["window_weight"]) for b in out]
+
+    assert run(7, 3, 0) == [7.0] * 3 + [56.0] * 3 + [64.0]
+    assert run(7, 3, 4) == [48.0] * 2 + [64.0]  # batches 4, 5 close the window [3, 6)
+    assert run(4, 1, 0) == [1.0, 2.0, 4.0, 8.0]

@@ -196,3 +196,47 @@ def test_compute_dtype_follows_precision():
 
     assert compute_dtype("cuda", "bf16-mixed") == torch.bfloat16 and compute_dtype("cuda", "bf16-true") == torch.bfloat16
     assert compute_dtype("cuda", "32-true") == torch.float32 and compute_dtype("cpu", "bf16-mixed") == torch.float32
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_normalises_over_the_window(tiny_store, tmp_path):
+    """Batch 1 x 3 accumulation through the real loader, module and Lightning loop: the optimizer sees the
+    gradient of (sum of the 3 micro-batches' weighted losses) / (their total weight), i.e. a long sample
+    weighs more than a short one, as in one batch of 3. Per-micro-batch normalisation fails this."""
+    import lightning as L
+
+    from pipeline import store as st
+    from pipeline.config import load_config
+    from stages.train import _dataloaders, check_store_matches
+    from stages.train_module import DrafterTask
+
+    cfg = load_config(TINY, ["train.batch_size=1", "train.accumulate_grad_batches=3", "train.num_workers=0",
+                             f"train.run_dir={tmp_path}"])
+    attrs = st.read_root_attrs(tiny_store)
+    reader = st.StoreReader(tiny_store)
+
+    def task():
+        torch.manual_seed(0)
+        return DrafterTask(cfg, check_store_matches(cfg, attrs), attrs["target"]["vocab_size"],
+                           st.frozen_head_path(tiny_store), 10, attrs["encoding"], store_path=tiny_store)
+
+    class Grab(L.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.grads = {n: p.grad.clone() for n, p in module.drafter.named_parameters()}
+
+    trained, grab = task(), Grab()
+    train_dl, _, sampler = _dataloaders(cfg, tiny_store, reader, 0, 1, 1)
+    trained.train_sampler = sampler
+    L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=3, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=0, callbacks=[grab]).fit(trained, train_dataloaders=train_dl)
+
+    ref = task()
+    ref._load_head()
+    dl, _, _ = _dataloaders(cfg, tiny_store, reader, 0, 1, 1)
+    batches = [b for _, b in zip(range(3), dl)]
+    sums, weights = zip(*[(lambda r: (r[0], r[1]["weight_sum"]))(ref._forward(b)) for b in batches])
+    assert len({round(float(w), 3) for w in weights}) > 1  # the micro-batches weigh differently
+    (sum(sums) / sum(weights)).backward()
+    for n, p in ref.drafter.named_parameters():
+        torch.testing.assert_close(grab.grads[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
