@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
 import signal
+import threading
+import time
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -137,9 +140,22 @@ class RankBatchSampler(torch.utils.data.Sampler):
 def worker_init(_worker_id: int) -> None:
     """DataLoader workers decode chunks; one thread each keeps them from fighting the training step for cores.
     Ctrl-C in a terminal reaches the whole process group: workers ignore it and let the training process stop
-    them (a worker dying of SIGINT would turn a clean stop into a DataLoader crash)."""
+    them (a worker dying of SIGINT would turn a clean stop into a DataLoader crash). A worker exits at once
+    when its training process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="dflash-parent-watch", daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose training process died (SIGKILL, the OOM killer) must not run on. torch's own check runs
+    only between batches, and a worker that leaves normally then waits for its result pipe to drain, which
+    nobody reads any more (the worker holds both ends, so the write never fails): it stayed for good. Loader
+    workers only read the store, so a hard exit loses nothing."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(0)
     try:
         from numcodecs import blosc
 

@@ -137,25 +137,28 @@ def save_final(trainer, checkpoint, last: Path) -> None:
     trainer.save_checkpoint(last)  # every rank calls it (it synchronises); rank 0 writes
 
 
-class FinalCheckpoint(L.Callback):
-    """At the end of a completed fit, write last.ckpt while the weights are still on the GPU, then free them.
+class FinalCheckpoint:
+    """The end of a completed fit: write last.ckpt while the weights are still on the GPU, then free them.
 
-    Lightning's teardown, which runs after `on_train_end`, copies the module and the optimizer state to host
-    memory (at the 27B shape ~21 GB of pageable copies, in the way of the user's final checkpoint) although
-    nothing uses them after this; a stopped run (Ctrl-C, SIGTERM) never reaches `on_train_end`."""
+    Called from the LightningModule's `on_train_end`, which Lightning runs after every callback's (so after
+    ModelCheckpoint's own end-of-training save, which would otherwise write once more, from freed weights) and
+    before its teardown, which copies the module and the optimizer state to host memory (at the 27B shape
+    ~21 GB of pageable copies, in the way of the user's final checkpoint) though nothing uses them after
+    this. A stopped run (Ctrl-C, SIGTERM) never gets here. `free`: drop the weights and optimizer state
+    afterwards (on GPU; the process ends next)."""
 
-    def __init__(self, checkpoint, last: Path):
-        self.checkpoint, self.last, self.saved = checkpoint, last, False
+    def __init__(self, checkpoint, last: Path, free: bool):
+        self.checkpoint, self.last, self.free, self.saved = checkpoint, last, free, False
 
-    def on_train_end(self, trainer, pl_module):
+    def __call__(self, trainer, pl_module) -> None:
         t = time.time()
         if trainer.is_global_zero:
-            print(f"train: training done; writing the final checkpoint {self.last}", file=sys.stderr, flush=True)
+            print(f"train: training done; final checkpoint {self.last}", file=sys.stderr, flush=True)
         save_final(trainer, self.checkpoint, self.last)
         self.saved = True
         if trainer.is_global_zero:
-            print(f"train: final checkpoint written in {time.time() - t:.1f} s", file=sys.stderr, flush=True)
-        if pl_module.device.type == "cuda":  # the process is done with them: free instead of copying to the host
+            print(f"train: final checkpoint in place after {time.time() - t:.1f} s", file=sys.stderr, flush=True)
+        if self.free:
             for opt in trainer.optimizers:
                 opt.state.clear()
             for p in pl_module.parameters():

@@ -53,6 +53,7 @@ class DrafterTask(L.LightningModule):
         self._embed: Optional[torch.Tensor] = None
         self._head: Optional[torch.Tensor] = None
         self.train_sampler = None  # set by stages.train (data position for resume)
+        self.on_train_finished = None  # set by stages.train: the final checkpoint (stages.progress.FinalCheckpoint)
         self.target_meta, self.store_path = dict(target_meta or {}), store_path
 
     # -- frozen head ------------------------------------------------------------------------------------
@@ -79,6 +80,10 @@ class DrafterTask(L.LightningModule):
 
             loud_recompiles(limit=8)  # a recompile storm fails loudly instead of silently running eager
             self.drafter.compile_layers()  # regional compilation (see DFlashDrafter.compile_layers)
+
+    def on_train_end(self) -> None:  # after every callback's on_train_end, before Lightning's teardown
+        if self.on_train_finished is not None:
+            self.on_train_finished(self.trainer, self)
 
     def on_validation_start(self) -> None:
         if self._embed is None or self._embed.device != self.device:

@@ -213,3 +213,55 @@ def test_extract_ctrl_c_to_the_group(tmp_path, presses):
     assert "resume with the same command" in err
     assert _gone(store, 5)
     _finish_and_verify(store)
+
+
+def _proc_status(pid) -> str:
+    try:
+        st = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        return " ".join(f"{k}={st[k].strip()}" for k in ("Name", "State", "PPid", "Threads") if k in st)
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_training_kill9_leaves_no_loader_workers(tmp_path, devices):
+    """SIGKILL (the OOM killer) of a one-process `dflash train`: its DataLoader workers must not run on. They
+    used to: a worker that outlives the reader of its result pipe can block for good at exit (it holds both
+    ends of the pipe, so the write never fails)."""
+    store = str(tmp_path / "s.zarr")
+    _finish_and_verify(store)
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store,
+                          "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--set", "train.num_workers=2",
+                          "--devices", str(devices), "--no-export"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    _wait_until((run / "progress.json").exists)
+    time.sleep(3)  # every rank's loader is up
+
+    def children(pid):  # all descendants
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        return [d for c in out for d in (int(c), *children(int(c)))]
+
+    def running(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # zombies are gone
+        except OSError:
+            return False
+
+    def cmdline(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+        except OSError:
+            return ""
+
+    kids = children(p.pid)
+    workers = [k for k in kids if "spawn_main" in cmdline(k)]
+    assert len(workers) >= 2 * devices, kids  # each rank's loader workers (and resource trackers)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    _wait_until(lambda: not any(running(k) for k in kids), timeout=90)  # a just-spawned worker may still import
+    left = [k for k in kids if running(k)]
+    for k in left:
+        os.kill(k, signal.SIGKILL)
+    assert not left, f"processes kept running after the training process was killed: {left}: " + "; ".join(
+        f"{k} {_proc_status(k)} {cmdline(k)[:100]}" for k in left)

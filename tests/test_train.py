@@ -240,3 +240,43 @@ def test_gradient_accumulation_normalises_over_the_window(tiny_store, tmp_path):
     (sum(sums) / sum(weights)).backward()
     for n, p in ref.drafter.named_parameters():
         torch.testing.assert_close(grab.grads[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_final_checkpoint_is_written_before_the_weights_are_freed(tiny_store, tmp_path):
+    """A run shorter than checkpoint_every: the final checkpoint holds the trained weights even though they are
+    freed right after it (as on GPU). Lightning's ModelCheckpoint writes last.ckpt in its own on_train_end;
+    the final checkpoint must come after that one, or a second write would save the freed (empty) weights."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from pipeline import store as st
+    from pipeline.config import load_config
+    from stages.progress import FinalCheckpoint
+    from stages.train import _dataloaders, check_store_matches
+    from stages.train_module import DrafterTask
+
+    cfg = load_config(TINY, ["train.batch_size=4", "train.num_workers=0", f"train.run_dir={tmp_path}"])
+    attrs = st.read_root_attrs(tiny_store)
+    torch.manual_seed(0)
+    task = DrafterTask(cfg, check_store_matches(cfg, attrs), attrs["target"]["vocab_size"],
+                       st.frozen_head_path(tiny_store), 10, attrs["encoding"], store_path=tiny_store)
+    train_dl, _, task.train_sampler = _dataloaders(cfg, tiny_store, st.StoreReader(tiny_store), 0, 1, 1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=1000, save_last="link")
+    final = FinalCheckpoint(ckpt, tmp_path / "checkpoints" / "last.ckpt", free=True)
+    trained = {}
+
+    def finish(trainer, module):
+        trained.update({k: v.detach().clone() for k, v in module.state_dict().items() if k.startswith("drafter.")})
+        final(trainer, module)
+
+    task.on_train_finished = finish
+    L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0, callbacks=[ckpt]).fit(task, train_dataloaders=train_dl)
+    assert all(p.numel() == 0 for p in task.drafter.parameters())  # freed
+    # one write: ModelCheckpoint's own end-of-training save came first and the final one found it in place
+    # (run before it, the final save made ModelCheckpoint write last-v1.ckpt from the freed weights)
+    assert sorted(x.name for x in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 3 and trained
+    for k, v in trained.items():
+        torch.testing.assert_close(saved["state_dict"][k], v, msg=k)
