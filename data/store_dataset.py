@@ -144,7 +144,13 @@ def worker_init(_worker_id: int) -> None:
     when its training process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="dflash-parent-watch", daemon=True).start()
+    import multiprocessing
+
+    # the parent's pid as multiprocessing passed it: a worker whose parent died while it was still importing
+    # would see os.getppid() == 1 here already and never notice (torch's own check has that blind spot)
+    parent = multiprocessing.parent_process()
+    pid = parent.pid if parent is not None and parent.pid else os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(pid,), name="dflash-parent-watch", daemon=True).start()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -152,10 +158,9 @@ def _exit_with_parent(parent: int) -> None:
     only between batches, and a worker that leaves normally then waits for its result pipe to drain, which
     nobody reads any more (the worker holds both ends, so the write never fails): it stayed for good. Loader
     workers only read the store, so a hard exit loses nothing."""
-    while True:
+    while os.getppid() == parent:
         time.sleep(0.5)
-        if os.getppid() != parent:
-            os._exit(0)
+    os._exit(0)
     try:
         from numcodecs import blosc
 

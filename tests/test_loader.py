@@ -84,3 +84,53 @@ def test_accumulation_windows_carry_their_windows_weight():
     assert run(7, 3, 0) == [7.0] * 3 + [56.0] * 3 + [64.0]
     assert run(7, 3, 4) == [48.0] * 2 + [64.0]  # batches 4, 5 close the window [3, 6)
     assert run(4, 1, 0) == [1.0, 2.0, 4.0, 8.0]
+
+
+def test_worker_exits_when_its_parent_died_before_worker_init(tmp_path):
+    """A loader worker still importing when its training process dies sees getppid() == 1 by the time
+    worker_init runs; comparing with that would never notice (torch's own check has this blind spot, and CI
+    caught such an orphan). worker_init must compare with the parent multiprocessing started it from."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = tmp_path / "parent.py"
+    script.write_text(f"""
+import multiprocessing as mp, os, sys, time
+sys.path.insert(0, {str(root)!r})
+
+def child(path):
+    time.sleep(3)  # still importing when the parent dies
+    from data.store_dataset import worker_init
+    open(path, "w").write(str(os.getpid()))
+    worker_init(0)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    mp.get_context("spawn").Process(target=child, args=(sys.argv[1],)).start()
+    os._exit(0)  # the training process dies (no cleanup, as under SIGKILL)
+""")
+    marker = tmp_path / "child.pid"
+    subprocess.run([sys.executable, str(script), str(marker)], check=True, timeout=60)
+    deadline = time.time() + 60
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), "the worker never reached worker_init"
+    time.sleep(0.1)
+    pid = int(marker.read_text())
+
+    def running():
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + 10
+    while running() and time.time() < deadline:
+        time.sleep(0.2)
+    if running():
+        os.kill(pid, 9)
+        raise AssertionError("the orphaned worker kept running after worker_init")
