@@ -154,10 +154,9 @@ def worker_init(_worker_id: int) -> None:
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A worker whose training process died (SIGKILL, the OOM killer) must not run on. torch's own check runs
-    only between batches, and a worker that leaves normally then waits for its result pipe to drain, which
-    nobody reads any more (the worker holds both ends, so the write never fails): it stayed for good. Loader
-    workers only read the store, so a hard exit loses nothing."""
+    """A worker whose training process died (SIGKILL, the OOM killer) must not run on. torch's own check
+    compares with getppid() at start-up (1 already for a worker that was still importing: such orphans were
+    seen) and runs only between batches. Loader workers only read the store, so a hard exit loses nothing."""
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(0)
