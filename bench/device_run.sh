@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
 #   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile
+#   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
+#   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl
+[ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
-    gputests) python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -15 ;;
+    gputests) python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > "$OUT/gputests.log" 2>&1; tail -15 "$OUT/gputests.log" ;;
     trainbench)  # cold compile cache, then the same step from a second process with the cache warm, then SDPA
       rm -rf /tmp/cc
       python3 bench/train_bench.py --modes flex --steps 8 --cache-dir /tmp/cc --out "$OUT/train_cold.json" 2>&1 | tail -4
@@ -18,6 +20,14 @@ for part in "$@"; do
     gpufix) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider --tb=short -k "bounded_recompiles or under_autocast" 2>&1 | tail -25 ;;
     attntests) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
     e2e) python3 bench/train_e2e.py --root /tmp/e2e --samples 8 --steps 5 --out "$OUT/train_e2e.json" 2>&1 | tail -6 ;;
+    ddp)  # one GPU (cold, then warm) against two DDP ranks over NCCL, warm; needs 2 GPUs (nvidia-h200-x2)
+      python3 bench/train_e2e.py --root /tmp/e2e --samples 16 --steps ${DDP_STEPS:-16} --gpus 0 0 0,1 \
+        --out "$OUT/train_e2e_ddp.json" > "$OUT/train_e2e_ddp.log" 2>&1; tail -8 "$OUT/train_e2e_ddp.log" ;;
+    extract2)  # extraction scaling: one process alone on GPU 0, then one per GPU at the same time (2 GPUs)
+      x="bench/extract_bench.py --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings int5"
+      python3 $x --store-dir /tmp/xs --out "$OUT/extract_solo.json" > "$OUT/extract_solo.log" 2>&1; rm -rf /tmp/xs
+      for g in 0 1; do CUDA_VISIBLE_DEVICES=$g python3 $x --store-dir /tmp/xp$g --out "$OUT/extract_gpu$g.json" > "$OUT/extract_gpu$g.log" 2>&1 & done
+      wait; tail -n 6 "$OUT"/extract_*.log ;;
     sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;
@@ -27,8 +37,20 @@ for part in "$@"; do
     tau)  # issue 7's paired tau study on the GPU: tiny drafters side by side; rows reach $OUT as they finish
       ( while sleep 15; do cp /tmp/tau/results.jsonl "$OUT/tau_results.jsonl" 2>/dev/null; done ) & copier=$!
       TORCHINDUCTOR_COMPILE_THREADS=1 timeout ${TAU_LIMIT:-520} python3 bench/encoding_tau.py --out /tmp/tau --encodings ${TAU_ENCODINGS:-bf16,int5} \
-        --seeds ${TAU_SEEDS:-0..19} --jobs ${TAU_JOBS:-10} --threads 1 2>&1 | tail -20
+        --seeds ${TAU_SEEDS:-0..19} --jobs ${TAU_JOBS:-10} --threads 1 ${TAU_CPU:+--cpu} > "$OUT/tau.log" 2>&1; tail -20 "$OUT/tau.log"
       kill $copier; cp /tmp/tau/results.jsonl "$OUT/tau_results.jsonl"; cp -r /tmp/tau/logs "$OUT/tau_logs" ;;
+    tau-start)  # the same study detached and niced: its own session outlives this call while the machine stays
+                # warm, so GPU parts can run meanwhile; collect it with tau-collect in a later call
+      # (from a copy of the tree: a later call re-sends the repo while these runs still start processes)
+      rm -rf /tmp/taurepo; mkdir -p /tmp/tau /tmp/taurepo; cp -r pipeline stages data bench configs scripts .site /tmp/taurepo/
+      ( cd /tmp/taurepo && PYTHONPATH=/tmp/taurepo/.site:/tmp/taurepo TORCHINDUCTOR_COMPILE_THREADS=1 \
+        setsid nohup nice -n 19 python3 bench/encoding_tau.py --out /tmp/tau \
+        --encodings ${TAU_ENCODINGS:-bf16,int5} --seeds ${TAU_SEEDS:-0..19} --jobs ${TAU_JOBS:-10} --threads 1 ${TAU_CPU:+--cpu} \
+        > /tmp/tau.log 2>&1 < /dev/null & ); sleep 2; echo "tau started in the background" ;;
+    tau-collect)  # wait for the detached study (at most TAU_WAIT s), then copy what it finished
+      end=$((SECONDS + ${TAU_WAIT:-300})); while pgrep -f bench/encoding_tau.py > /dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
+      cp /tmp/tau/results.jsonl "$OUT/tau_results.jsonl"; cp /tmp/tau.log "$OUT/tau.log"; cp -r /tmp/tau/logs "$OUT/tau_logs"
+      tail -20 /tmp/tau.log ;;
     tinyprof)  # where a tiny drafter's GPU step goes (3.9 steps/s on the H200 vs 7.7 on the 2-core CPU)
       python3 -m pipeline.cli extract --store /tmp/tp/bf16.zarr --set store.encoding=bf16 > "$OUT/tiny-extract.log" 2>&1
       python3 -m cProfile -o "$OUT/tiny_train.prof" -m pipeline.cli train --store /tmp/tp/bf16.zarr --no-export \

@@ -65,18 +65,26 @@ def one_run(out: Path, ref: Path, enc: str, seed: int, results: Path, lock: thre
     return row
 
 
+def parse_seeds(text: str) -> list[int]:
+    """'0,3..5' -> [0, 3, 4, 5]."""
+    out = []
+    for item in text.split(","):
+        lo, _, hi = item.partition("..")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/encoding-tau")
     ap.add_argument("--encodings", default="bf16,fp8,int6,int5,int4")
-    ap.add_argument("--seeds", default="0,1,2", help="comma list, or a range like 0..19")
+    ap.add_argument("--seeds", default="0,1,2", help="comma list of seeds or ranges: 0,1,2 or 0..19 or 0,10..21")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (on a GPU several tiny drafters share it)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per run (OMP_NUM_THREADS); 0 = torch's default")
     ap.add_argument("--cpu", action="store_true", help="hide the GPUs (the CPU results in docs/benchmarks.md)")
     ap.add_argument("--set", action="append", default=[], help="extra training override (smoke runs)")
     a = ap.parse_args()
-    seeds = (list(range(int(a.seeds.split("..")[0]), int(a.seeds.split("..")[1]) + 1)) if ".." in a.seeds
-             else [int(x) for x in a.seeds.split(",")])
+    seeds = parse_seeds(a.seeds)
     encodings = a.encodings.split(",")
     env = {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
     if a.cpu:

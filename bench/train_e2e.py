@@ -1,12 +1,15 @@
 """`dflash train` end to end at the 27B shape: the user's wait before the first step, cold and warm cache.
 
 Builds a store of random 27B-shaped features (5 layers x 5120, int5 as the 27B configs default, 3,072-token
-samples) and a random 248,320 x 5120 frozen embedding/head, then runs the real command twice on GPU 0 with
-configs/qwen3.6-27b.yaml: first with an empty compile cache, then as a new run with another learning rate
-(what a user does next), which reuses the shared cache. Every stderr line is timestamped on arrival, so the
-table gives the time from launch to the first finished batch and the steady optimizer-step rate after it.
+samples) and a random 248,320 x 5120 frozen embedding/head, then runs the real command with
+configs/qwen3.6-27b.yaml once per `--gpus` entry: the first with an empty compile cache, each later one as a new
+run with another learning rate (what a user does next), which reuses the shared cache. `--gpus 0 0,1` compares
+one GPU with two DDP ranks (NCCL): samples/s count every rank's samples, and each rank reports its own first
+batch (its compile). Every stderr line is timestamped on arrival, so the table gives the time from launch to
+the first finished batch, the steady optimizer-step rate after it, and the end of the run (from "training
+done" to the final checkpoint in place).
 
-    python bench/train_e2e.py --root /tmp/e2e --steps 12 --out $OUT/train_e2e.json
+    python bench/train_e2e.py --root /tmp/e2e --steps 12 --gpus 0 0 0,1 --out $OUT/train_e2e.json
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pipeline import store as st  # noqa: E402
 from pipeline.encoding import encode  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LRS = ("6e-4", "3e-4")  # consecutive runs differ in lr, as a user's next run would
 
 
 def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int], H: int, vocab: int) -> None:
@@ -59,12 +63,12 @@ def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int],
     st.write_bytes_atomic(st.frozen_head_path(str(path)), save(head, metadata={"tie_word_embeddings": "false"}))
 
 
-def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int]) -> dict:
+def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = ["target.name=bench", f"target.layer_ids={layers}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.epochs=1000",
             "train.log_every=1", f"train.lr={lr}", "train.checkpoint_every=100000", "train.val_every=100000"]
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", config,
-           "--store", str(store), "--gpus", "0", "--no-export"] + [a for s in sets for a in ("--set", s)]
+           "--store", str(store), "--gpus", gpus, "--no-export"] + [a for s in sets for a in ("--set", s)]
     t0 = time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                          env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache)})
@@ -73,15 +77,19 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
         lines.append((time.time() - t0, line.rstrip()))
         print(f"[{lines[-1][0]:7.1f}s] {line.rstrip()}", flush=True)
     rc = p.wait()
-    first = next((float(m.group(1)) for _, x in lines if (m := re.search(r"first batch done ([0-9.]+) s", x))), None)
+    firsts = [float(m.group(1)) for _, x in lines if (m := re.search(r"first batch done ([0-9.]+) s", x))]
+    first = max(firsts) if firsts else None  # with several ranks, the step waits for the slowest
+    finished = next((t for t, x in lines if "training done" in x), None)
+    final = next((float(m.group(1)) for _, x in lines if (m := re.search(r"final checkpoint in place after ([0-9.]+) s", x))), None)
     stamps = [(t, int(m.group(1))) for t, x in lines if (m := re.match(r"train: step (\d+)/", x))]
     steady = None
     if len(stamps) >= 4:
         (ta, sa), (tb, sb) = stamps[2], stamps[-1]
         steady = (sb - sa) / (tb - ta)
     shutil.rmtree(run_dir, ignore_errors=True)  # a 27B-shape checkpoint is ~21 GB (fp32 weights + AdamW)
-    return {"rc": rc, "wall_s": time.time() - t0, "first_batch_s": first, "steady_steps_s": steady,
-            "steps": stamps[-1][1] if stamps else 0, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
+    return {"rc": rc, "gpus": gpus, "wall_s": time.time() - t0, "first_batch_s": first, "first_batch_per_rank_s": firsts,
+            "steady_steps_s": steady, "steps": stamps[-1][1] if stamps else 0, "training_done_at_s": finished,
+            "final_checkpoint_s": final, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
 
 def main() -> None:
@@ -95,6 +103,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=5120)
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--layer-ids", default="1,16,31,46,61")
+    ap.add_argument("--gpus", nargs="+", default=["0", "0"],
+                    help="one run per entry (first with a cold compile cache, then warm, each a new lr): 0 0 0,1")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     root = Path(a.root)
@@ -105,20 +115,24 @@ def main() -> None:
     cache = root / "compile-cache"
     shutil.rmtree(cache, ignore_errors=True)
     res = {}
-    for name, lr in (("cold", "6e-4"), ("warm (new run, new lr)", "3e-4")):
-        res[name] = run(root / "store.zarr", root / f"run-{name.split()[0]}", cache, a.steps, lr, a.config, layers)
+    for i, gpus in enumerate(a.gpus):
+        n = len(gpus.split(","))
+        name = f"{'cold' if i == 0 else 'warm'} {n} GPU{'s' if n > 1 else ''} (run {i + 1}, lr {LRS[i % 2]})"
+        res[name] = run(root / "store.zarr", root / f"run-{i}", cache, a.steps, LRS[i % 2], a.config, layers, gpus)
         if a.out:  # after each run: a time limit that stops the second one keeps the first
             Path(a.out).write_text(json.dumps(res, indent=1))
     from pipeline.config import load_config
 
     t = load_config(a.config).train
-    accum = t.accumulate_grad_batches * t.batch_size  # samples per optimizer step
-    print(f"\n`dflash train` at the 27B shape, 1 GPU, {a.encoding} store, {a.seq}-token samples, {accum} samples per optimizer step")
-    print(f"{'run':<24}{'exit':>5}{'first batch s':>15}{'steps/s':>9}{'samples/s':>11}{'wall s':>8}")
+    accum = t.accumulate_grad_batches * t.batch_size  # samples per optimizer step and GPU
+    print(f"\n`dflash train` at the 27B shape, {a.encoding} store, {a.seq}-token samples, {accum} samples per optimizer step "
+          "and GPU; first batch: the slowest rank; end: from 'training done' to the final checkpoint in place")
+    print(f"{'run':<34}{'exit':>5}{'first batch s':>15}{'steps/s':>9}{'samples/s':>11}{'end s':>7}{'wall s':>8}")
+    nan = float("nan")
     for k, r in res.items():
-        sps = r["steady_steps_s"]
-        print(f"{k:<24}{r['rc']:>5}{r['first_batch_s'] or float('nan'):>15.1f}{sps or float('nan'):>9.3f}"
-              f"{(sps or float('nan')) * accum:>11.2f}{r['wall_s']:>8.0f}")
+        sps, world = r["steady_steps_s"] or nan, len(r["gpus"].split(","))
+        first, end = (nan if r[x] is None else r[x] for x in ("first_batch_s", "final_checkpoint_s"))
+        print(f"{k:<34}{r['rc']:>5}{first:>15.1f}{sps:>9.3f}{sps * accum * world:>11.2f}{end:>7.1f}{r['wall_s']:>8.0f}")
 
 
 if __name__ == "__main__":

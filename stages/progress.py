@@ -76,9 +76,9 @@ class ProgressLines(L.Callback):
         self.tokens += float(batch["seq_lens"].sum()) * trainer.world_size
         if self.first_step_s is None:  # the first batch carries the compile; say when it is over
             self.first_step_s = time.time() - self.started
-            if trainer.is_global_zero:
-                print(f"train: first batch done {self.first_step_s:.1f} s after start (includes loading and "
-                      f"compiling); {time.time() - self.t0:.1f} s of it in the batch", file=sys.stderr, flush=True)
+            where = f" on rank {trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank compiles on its own
+            print(f"train: first batch done {self.first_step_s:.1f} s after start{where} (includes loading and "
+                  f"compiling); {time.time() - self.t0:.1f} s of it in the batch", file=sys.stderr, flush=True)
         step = trainer.global_step
         if not trainer.is_global_zero or step % self.every or step in (self.step0, self.last_line):
             return  # (with gradient accumulation several batches end at one optimizer step: one line)
