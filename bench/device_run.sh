@@ -20,8 +20,8 @@ for part in "$@"; do
     gpufix) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider --tb=short -k "bounded_recompiles or under_autocast" 2>&1 | tail -25 ;;
     attntests) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
     e2e) python3 bench/train_e2e.py --root /tmp/e2e --samples 8 --steps 5 --out "$OUT/train_e2e.json" 2>&1 | tail -6 ;;
-    ddp)  # one GPU (cold, then warm) against two DDP ranks over NCCL, warm; needs 2 GPUs (nvidia-h200-x2)
-      python3 bench/train_e2e.py --root /tmp/e2e --samples 16 --steps ${DDP_STEPS:-16} --gpus 0 0 0,1 \
+    ddp)  # one GPU (cold cache) against two DDP ranks over NCCL (twice: is the cache warm for DDP?); 2 GPUs
+      python3 bench/train_e2e.py --root /tmp/e2e --samples ${DDP_SAMPLES:-64} --steps ${DDP_STEPS:-20} --gpus ${DDP_GPUS:-0 0,1 0,1} \
         --out "$OUT/train_e2e_ddp.json" > "$OUT/train_e2e_ddp.log" 2>&1; tail -8 "$OUT/train_e2e_ddp.log" ;;
     extract2)  # extraction scaling: one process alone on GPU 0, then one per GPU at the same time (2 GPUs)
       x="bench/extract_bench.py --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings int5"

@@ -67,6 +67,7 @@ class ProgressLines(L.Callback):
         self.tokens = 0.0
         self.first_step_s: float | None = None
         self.last_line: int | None = None
+        self.done_at: float | None = None  # when fit's last step ended (on_train_end)
 
     def on_train_start(self, trainer, pl_module):
         self.t0, self.step0, self.tokens = time.time(), trainer.global_step, 0.0
@@ -98,7 +99,11 @@ class ProgressLines(L.Callback):
         self._write(state)
 
     def on_train_end(self, trainer, pl_module):
+        # runs before ModelCheckpoint's own end-of-training save (Lightning orders checkpoint callbacks last)
+        self.done_at = time.time()
         if trainer.is_global_zero:
+            print(f"train: training done at step {trainer.global_step}; writing the final checkpoint",
+                  file=sys.stderr, flush=True)
             self._write({"state": "finished", "step": trainer.global_step, "time": time.time()})
 
     def on_exception(self, trainer, pl_module, exception):
@@ -145,19 +150,20 @@ class FinalCheckpoint:
     before its teardown, which copies the module and the optimizer state to host memory (at the 27B shape
     ~21 GB of pageable copies, in the way of the user's final checkpoint) though nothing uses them after
     this. A stopped run (Ctrl-C, SIGTERM) never gets here. `free`: drop the weights and optimizer state
-    afterwards (on GPU; the process ends next)."""
+    afterwards (on GPU; the process ends next). `progress`: its `done_at` (the end of training, before
+    ModelCheckpoint's own save) is where the reported time counts from."""
 
-    def __init__(self, checkpoint, last: Path, free: bool):
+    def __init__(self, checkpoint, last: Path, free: bool, progress: ProgressLines | None = None):
         self.checkpoint, self.last, self.free, self.saved = checkpoint, last, free, False
+        self.progress = progress
 
     def __call__(self, trainer, pl_module) -> None:
-        t = time.time()
-        if trainer.is_global_zero:
-            print(f"train: training done; final checkpoint {self.last}", file=sys.stderr, flush=True)
+        t = (self.progress.done_at if self.progress is not None else None) or time.time()
         save_final(trainer, self.checkpoint, self.last)
         self.saved = True
         if trainer.is_global_zero:
-            print(f"train: final checkpoint in place after {time.time() - t:.1f} s", file=sys.stderr, flush=True)
+            print(f"train: final checkpoint {self.last} in place {time.time() - t:.1f} s after training ended",
+                  file=sys.stderr, flush=True)
         if self.free:
             for opt in trainer.optimizers:
                 opt.state.clear()

@@ -207,7 +207,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last="link",
                                  save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
     checkpoint_path = ckpt_dir / "last.ckpt"
-    task.on_train_finished = final = FinalCheckpoint(checkpoint, checkpoint_path, free=use_gpu)
+    progress = ProgressLines(run_dir, cfg.train.log_every)
+    task.on_train_finished = final = FinalCheckpoint(checkpoint, checkpoint_path, free=use_gpu, progress=progress)
     loggers = [CSVLogger(run_dir, name="logs", version="")]
     try:
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -220,7 +221,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     trainer = L.Trainer(
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
-        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, ProgressLines(run_dir, cfg.train.log_every), ForceOnSecondCtrlC()],
+        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, progress, ForceOnSecondCtrlC()],
         logger=loggers, log_every_n_steps=cfg.train.log_every, val_check_interval=min(cfg.train.val_every, len(sampler)),
         check_val_every_n_epoch=1, num_sanity_val_steps=0, use_distributed_sampler=False,
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,

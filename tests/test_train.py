@@ -103,6 +103,10 @@ def test_one_progress_line_per_step_and_one_checkpoint_file(tiny_store, tmp_path
     assert last.is_symlink() and last.resolve() == (run / "checkpoints" / "step3.ckpt").resolve()
     assert [f.name for f in (run / "checkpoints").iterdir() if not f.is_symlink()] == ["step3.ckpt"]
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
+    # the end of the run says when training ended and how long the final checkpoint took after it
+    end = re.search(r"train: training done at step 3; writing the final checkpoint\n.*?train: final checkpoint (\S+) in place "
+                    r"([0-9.]+) s after training ended", r.stderr, re.S)
+    assert end and end.group(1) == str(last) and float(end.group(2)) < 60, r.stderr[-3000:]
 
 
 @pytest.mark.slow
