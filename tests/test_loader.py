@@ -134,3 +134,32 @@ if __name__ == "__main__":
     if running():
         os.kill(pid, 9)
         raise AssertionError("the orphaned worker kept running after worker_init")
+
+
+def test_reader_opens_each_array_once_and_reads_the_same_values(small_store):
+    """Opening a zarr array parses its zarr.json; per read that was half a sample's read time. The reader keeps
+    the arrays it opened, and what it returns does not change (checked against a fresh open of each array)."""
+    import zarr
+
+    path, lengths = small_store
+    reader = st.StoreReader(path)
+    opened = []
+
+    class Counting:  # stands in for the shard's group: counts the opens
+        def __init__(self, group):
+            self.group = group
+
+        def __getitem__(self, name):
+            opened.append(name)
+            return self.group[name]
+
+    reader.shards = {i: Counting(g) for i, g in reader.shards.items()}
+    names = st.token_arrays("int5")
+    group = zarr.open_group(path, mode="r")[st.shard_name(0)]
+    for _ in range(2):
+        for i, ref in enumerate(reader.samples):
+            got = reader.read(i)
+            assert set(got) == set(names) and got["tokens"].shape == (ref.length,)
+            for name in names:
+                np.testing.assert_array_equal(got[name], group[name][ref.start:ref.start + ref.length])
+    assert sorted(opened) == sorted(names), opened  # once each, over 2 x 12 reads
