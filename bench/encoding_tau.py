@@ -8,6 +8,7 @@ training store held). Prints mean and spread per encoding. Resumable: finished r
 
     python bench/encoding_tau.py --out runs/encoding-tau --encodings bf16,fp8,int6,int5,int4 --seeds 0,1,2
     python bench/encoding_tau.py --out runs/tau-gpu --encodings bf16,int5 --seeds 0..19 --jobs 8 --threads 2  # GPU
+    python bench/encoding_tau.py --encodings bf16,int5 --summarize A.jsonl B.jsonl  # pairs from several machines
 """
 
 from __future__ import annotations
@@ -83,7 +84,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per run (OMP_NUM_THREADS); 0 = torch's default")
     ap.add_argument("--cpu", action="store_true", help="hide the GPUs (the CPU results in docs/benchmarks.md)")
     ap.add_argument("--set", action="append", default=[], help="extra training override (smoke runs)")
+    ap.add_argument("--summarize", nargs="+", metavar="RESULTS_JSONL", help="only print the table of these "
+                    "results files together (runs pair with the bf16 run of their seed in the same file)")
     a = ap.parse_args()
+    if a.summarize:
+        rows = [{**json.loads(x), "source": f} for f in a.summarize for x in Path(f).read_text().splitlines() if x.strip()]
+        table(rows, a.encodings.split(","))
+        return
     seeds = parse_seeds(a.seeds)
     encodings = a.encodings.split(",")
     env = {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
@@ -118,7 +125,9 @@ def table(rows: list[dict], encodings: list[str]) -> None:
     the data order and anchors, and (since train.seed seeds the initial weights; runs made before that had
     unseeded weights) the initialisation; the measured spread of the difference shows how little cancels."""
     keys = ("offline_tau", "serving_walk_tau", "online_tau")
-    ref = {(r["seed"], k): r[k] for r in rows if r["encoding"] == "bf16" for k in keys}
+    # a run pairs with the bf16 run of its seed from the same source (machine): CPU results repeat bit for
+    # bit on one machine, not across machines
+    ref = {(r.get("source"), r["seed"], k): r[k] for r in rows if r["encoding"] == "bf16" for k in keys}
     print(f"\n{'encoding':<9}{'B/token':>9}" + "".join(f"{k:>32}" for k in keys) + f"{'seeds':>7}")
     for enc in encodings:
         rs = [r for r in rows if r["encoding"] == enc]
@@ -127,7 +136,7 @@ def table(rows: list[dict], encodings: list[str]) -> None:
         cells = []
         for k in keys:
             v = [r[k] for r in rs]
-            d = [100 * (r[k] / ref[(r["seed"], k)] - 1) for r in rs if (r["seed"], k) in ref]
+            d = [100 * (r[k] / ref[(r.get("source"), r["seed"], k)] - 1) for r in rs if (r.get("source"), r["seed"], k) in ref]
             sd = statistics.stdev(v) if len(v) > 1 else 0.0
             dm, dsd = (statistics.mean(d), statistics.stdev(d) if len(d) > 1 else 0.0) if d else (float("nan"), 0.0)
             cells.append(f"{statistics.mean(v):.3f}±{sd:.3f} ({dm:+.1f}±{dsd:.1f}%)")
@@ -136,7 +145,8 @@ def table(rows: list[dict], encodings: list[str]) -> None:
         if enc == "bf16":
             continue
         for k in keys:
-            d = [100 * (r[k] / ref[(r["seed"], k)] - 1) for r in rows if r["encoding"] == enc and (r["seed"], k) in ref]
+            d = [100 * (r[k] / ref[(r.get("source"), r["seed"], k)] - 1) for r in rows
+                 if r["encoding"] == enc and (r.get("source"), r["seed"], k) in ref]
             if len(d) > 1:
                 half = _t975(len(d) - 1) * statistics.stdev(d) / len(d) ** 0.5
                 m = statistics.mean(d)
