@@ -68,10 +68,11 @@ class ProgressLines(L.Callback):
         self.first_step_s: float | None = None
         self.last_line: int | None = None
         self.done_at: float | None = None  # when fit's last step ended (on_train_end)
+        self.after_first: tuple[float, int, float] | None = None  # (time, step, tokens) at the first batch's end
 
     def on_train_start(self, trainer, pl_module):
         self.t0, self.step0, self.tokens = time.time(), trainer.global_step, 0.0
-        self.first_step_s, self.last_line = None, None
+        self.first_step_s, self.last_line, self.after_first = None, None, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.tokens += float(batch["seq_lens"].sum()) * trainer.world_size
@@ -80,20 +81,23 @@ class ProgressLines(L.Callback):
             where = f" on rank {trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank compiles on its own
             print(f"train: first batch done {self.first_step_s:.1f} s after start{where} (includes loading and "
                   f"compiling); {time.time() - self.t0:.1f} s of it in the batch", file=sys.stderr, flush=True)
+            self.after_first = (time.time(), trainer.global_step, self.tokens)
         step = trainer.global_step
         if not trainer.is_global_zero or step % self.every or step in (self.step0, self.last_line):
             return  # (with gradient accumulation several batches end at one optimizer step: one line)
         self.last_line = step
-        dt = max(1e-6, time.time() - self.t0)
-        rate = (step - self.step0) / dt
+        # rates from the end of the first batch, so that its compile does not inflate the ETA for long
+        t1, step1, tokens1 = self.after_first if step > self.after_first[1] else (self.t0, self.step0, 0.0)
+        dt = max(1e-6, time.time() - t1)
+        rate, tok_rate = (step - step1) / dt, (self.tokens - tokens1) / dt
         total = trainer.estimated_stepping_batches
         eta = (total - step) / rate if rate > 0 else float("nan")
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("train/", "val/"))}
         state = {"state": "running", "step": step, "total_steps": int(total), "epoch": trainer.current_epoch,
-                 "steps_per_s": rate, "tokens_per_s": self.tokens / dt, "eta_s": eta, "time": time.time(),
+                 "steps_per_s": rate, "tokens_per_s": tok_rate, "eta_s": eta, "time": time.time(),
                  "first_batch_s": self.first_step_s, "metrics": m}
         line = (f"train: step {step}/{int(total)} epoch {trainer.current_epoch} loss {m.get('train/loss', float('nan')):.4f} "
-                f"tau {m.get('train/tau', float('nan')):.2f} {rate:.2f} steps/s {self.tokens / dt:,.0f} tok/s "
+                f"tau {m.get('train/tau', float('nan')):.2f} {rate:.2f} steps/s {tok_rate:,.0f} tok/s "
                 f"ETA {eta / 60:.1f} min")
         print(line, file=sys.stderr, flush=True)
         self._write(state)

@@ -285,3 +285,27 @@ def test_final_checkpoint_is_written_before_the_weights_are_freed(tiny_store, tm
     assert saved["global_step"] == 3 and trained
     for k, v in trained.items():
         torch.testing.assert_close(saved["state_dict"][k], v, msg=k)
+
+
+def test_progress_rate_and_eta_leave_the_first_batch_compile_out(tmp_path, monkeypatch, capsys):
+    """A 30 s first batch (the compile) followed by 1 step/s: lines report 1 step/s and the ETA that follows
+    from it, not the rate diluted by the compile (0.09 steps/s, an ETA ten times too long)."""
+    from types import SimpleNamespace
+
+    from stages import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "time", lambda: clock[0])
+    trainer = SimpleNamespace(global_step=0, world_size=1, global_rank=0, is_global_zero=True, current_epoch=0,
+                              estimated_stepping_batches=100, callback_metrics={})
+    lines = progress.ProgressLines(tmp_path, every=1, started=0.0)
+    lines.on_train_start(trainer, None)
+    batch = {"seq_lens": torch.tensor([100, 28])}
+    for t, step in ((30.0, 1), (31.0, 2), (32.0, 3)):
+        clock[0], trainer.global_step = t, step
+        lines.on_train_batch_end(trainer, None, None, batch, step - 1)
+    err = capsys.readouterr().err
+    assert "first batch done 30.0 s after start" in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.search(r"step 3/100 .* 1\.00 steps/s 128 tok/s ETA 1\.6 min", last), last
+    assert json.loads((tmp_path / "progress.json").read_text())["steps_per_s"] == 1.0
