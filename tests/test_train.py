@@ -309,3 +309,37 @@ def test_progress_rate_and_eta_leave_the_first_batch_compile_out(tmp_path, monke
     last = err.strip().splitlines()[-1]
     assert re.search(r"step 3/100 .* 1\.00 steps/s 128 tok/s ETA 1\.6 min", last), last
     assert json.loads((tmp_path / "progress.json").read_text())["steps_per_s"] == 1.0
+
+
+def test_lr_schedule_is_linear_warmup_then_cosine_to_zero_and_norms_skip_decay(tiny_store):
+    """The recipe's schedule (design brief: cosine with 4% warmup) over 100 optimizer steps: lr rises over the
+    first 4 steps, peaks at train.lr, is half of it midway through the cosine, and ends at zero; weight
+    decay applies to matrices, never to norms' 1-D weights."""
+    from types import SimpleNamespace
+
+    from pipeline import store as st
+    from pipeline.config import load_config
+    from stages.train import check_store_matches
+    from stages.train_module import DrafterTask
+
+    cfg = load_config(TINY, ["train.lr=1e-3", "train.warmup_ratio=0.04", "train.weight_decay=0.01"])
+    attrs = st.read_root_attrs(tiny_store)
+    task = DrafterTask(cfg, check_store_matches(cfg, attrs), attrs["target"]["vocab_size"],
+                       st.frozen_head_path(tiny_store), 10, attrs["encoding"], store_path=tiny_store)
+    task._trainer = SimpleNamespace(estimated_stepping_batches=100)
+    conf = task.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    assert conf["lr_scheduler"]["interval"] == "step"
+    lrs = []
+    for _ in range(101):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(0.25e-3) and lrs[3] == pytest.approx(1e-3)  # warmup: 4 steps
+    assert lrs[:4] == sorted(lrs[:4]) and max(lrs) == pytest.approx(1e-3)
+    assert lrs[4 + 48] == pytest.approx(0.5e-3)  # halfway through the 96 cosine steps
+    assert lrs[100] == pytest.approx(0.0, abs=1e-12) and lrs[4:] == sorted(lrs[4:], reverse=True)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in no_decay["params"])
+    assert len(no_decay["params"]) > 0
