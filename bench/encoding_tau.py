@@ -86,10 +86,17 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="extra training override (smoke runs)")
     ap.add_argument("--summarize", nargs="+", metavar="RESULTS_JSONL", help="only print the table of these "
                     "results files together (runs pair with the bf16 run of their seed in the same file)")
+    ap.add_argument("--min-tau", type=float, default=None, help="with --summarize: also the paired differences "
+                    "over the seeds whose runs all reach this offline tau (a sensitivity view: some seeds of the "
+                    "tiny drafter end in a worse basin, tau ~4.0-4.3, whatever the encoding)")
     a = ap.parse_args()
     if a.summarize:
         rows = [{**json.loads(x), "source": f} for f in a.summarize for x in Path(f).read_text().splitlines() if x.strip()]
         table(rows, a.encodings.split(","))
+        if a.min_tau is not None:
+            low = {(r["source"], r["seed"]) for r in rows if r["offline_tau"] < a.min_tau}
+            print(f"\nwithout the {len(low)} seeds where a run ended below offline tau {a.min_tau}:")
+            table([r for r in rows if (r["source"], r["seed"]) not in low], a.encodings.split(","))
         return
     seeds = parse_seeds(a.seeds)
     encodings = a.encodings.split(",")
