@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from numcodecs import Blosc
 
-from pipeline.encoding import ENCODINGS, decode, encode, to_storage
+from pipeline.encoding import ENCODINGS, GROUP, OUTLIERS, decode, encode, to_storage
 
 
 def synthetic(tokens: int, layers: int = 5, hidden: int = 5120, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +98,27 @@ def lossy_rows(name: str, x: torch.Tensor, outlier_ch: torch.Tensor | None) -> N
         row(name, f"{enc} (+zstd-1)", size / x.numel(), mb / t_enc, mb / t_dec, y, xf, ordinary)
     row(name, "int8, one scale per token+layer", 1 + 4 / x.shape[-1], float("nan"), float("nan"), per_token_int8(x), xf,
         ordinary)
+    size = 5 / 8 + 2 / GROUP + OUTLIERS * 4 / x.shape[-1]  # as int5 before zstd
+    row(name, "int5 + Hadamard per group (study)", size, float("nan"), float("nan"), rotated_int5(x), xf, ordinary)
+
+
+def rotated_int5(x: torch.Tensor) -> torch.Tensor:
+    """Not a store encoding: int5 with each group of 32 channels rotated by a sign-flipped Hadamard matrix
+    before quantising (QuaRot-style), which spreads channels of different scale across the group. Returns
+    the reconstruction; the outliers are kept exactly as in int5."""
+    xf = x.float()
+    top = xf.abs().topk(OUTLIERS, dim=-1).indices
+    vals = xf.gather(-1, top)
+    g = xf.scatter(-1, top, 0.0).unflatten(-1, (x.shape[-1] // GROUP, GROUP))  # [..., H/G, G]
+    h = torch.ones(1, 1)
+    while h.shape[0] < GROUP:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (GROUP,), generator=torch.Generator().manual_seed(1)).float() * 2 - 1
+    rot = h * signs[:, None] / GROUP**0.5  # orthogonal
+    gr = g @ rot
+    s = gr.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 15
+    y = ((gr / s).round().clamp(-15, 15) * s) @ rot.T
+    return y.flatten(-2).scatter(-1, top, vals)
 
 
 def row(name, label, bpv, enc_mb, dec_mb, y, xf, ordinary) -> None:
