@@ -51,6 +51,11 @@ for part in "$@"; do
       end=$((SECONDS + ${TAU_WAIT:-300})); while pgrep -f bench/encoding_tau.py > /dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
       cp /tmp/tau/results.jsonl "$OUT/tau_results.jsonl"; cp /tmp/tau.log "$OUT/tau.log"; cp -r /tmp/tau/logs "$OUT/tau_logs"
       tail -20 /tmp/tau.log ;;
+    tinyrate)  # the tiny drafter's GPU step rate without a profiler (num_workers=0, as the tau study trains)
+      python3 -m pipeline.cli extract --store /tmp/tr/bf16.zarr --set store.encoding=bf16 > "$OUT/tiny-extract.log" 2>&1
+      python3 -m pipeline.cli train --store /tmp/tr/bf16.zarr --no-export --set train.batch_size=8 \
+        --set train.max_steps=${TINY_STEPS:-400} --set train.num_workers=0 --set train.run_dir=/tmp/tr/run \
+        --set train.val_every=100000 --set train.log_every=50 2>&1 | grep -E "first batch|step [0-9]+/|Error" | head -12 ;;
     tinyprof)  # where a tiny drafter's GPU step goes (3.9 steps/s on the H200 vs 7.7 on the 2-core CPU)
       python3 -m pipeline.cli extract --store /tmp/tp/bf16.zarr --set store.encoding=bf16 > "$OUT/tiny-extract.log" 2>&1
       python3 -m cProfile -o "$OUT/tiny_train.prof" -m pipeline.cli train --store /tmp/tp/bf16.zarr --no-export \
