@@ -78,7 +78,11 @@ class DrafterTask(L.LightningModule):
         if mode == "on" or (mode == "auto" and self.device.type == "cuda"):
             from pipeline.masks import loud_recompiles
 
-            loud_recompiles(limit=8)  # a recompile storm fails loudly instead of silently running eager
+            # a recompile storm fails loudly instead of silently running eager. The limit counts the layer's
+            # legitimate variants: input requires_grad (first layer or not) x layer type x grad mode (training
+            # or validation) x static then dynamic shapes = up to 16. A tiny CPU run with compile on (varying
+            # lengths, one batch of 1, validation) already needed 8, dynamo's default and the old limit.
+            loud_recompiles(limit=16)
             self.drafter.compile_layers()  # regional compilation (see DFlashDrafter.compile_layers)
 
     def on_train_end(self) -> None:  # after every callback's on_train_end, before Lightning's teardown
