@@ -124,10 +124,17 @@ class ProgressLines(L.Callback):
 class ForceOnSecondCtrlC(L.Callback):
     """After the first Ctrl-C Lightning sets SIGINT to *ignored* while it shuts down (and a DDP teardown can
     wait on a rank for a long time). This puts a handler back, so a second Ctrl-C exits at once with 130;
-    ranks started by this process die with it (PR_SET_PDEATHSIG), checkpoints already written are kept."""
+    ranks started by this process die with it (PR_SET_PDEATHSIG), checkpoints already written are kept.
+    A rank that Lightning started (LOCAL_RANK > 0) leaves after its launcher instead (`_exit_after_launcher`)."""
+
+    def __init__(self):
+        self.launcher_pid = os.getppid()  # in a rank Lightning started: the launcher
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, KeyboardInterrupt):
+            if os.environ.get("LOCAL_RANK", "0") != "0":
+                signal.signal(signal.SIGINT, lambda _s, _f: _exit_after_launcher(self.launcher_pid))
+                return
             print("train: stopping after Ctrl-C (press Ctrl-C again to force)", file=sys.stderr, flush=True)
             signal.signal(signal.SIGINT, _force_exit)
 
@@ -135,6 +142,20 @@ class ForceOnSecondCtrlC(L.Callback):
 def _force_exit(_signum, _frame) -> None:
     print("train: forced stop (second Ctrl-C); checkpoints written before are kept", file=sys.stderr, flush=True)
     os._exit(130)
+
+
+def _exit_after_launcher(launcher_pid: int, timeout: float = 60.0) -> None:
+    """A second Ctrl-C in a rank the launcher started. The launcher got the same Ctrl-C: it exits with 130, or,
+    if the keypress fell into Lightning's ignore window, finishes its graceful stop, which ends the ranks. A rank
+    exiting first with 130 made Lightning's process observer in the launcher SIGKILL every process, the
+    launcher too: the user's job ended with -9 instead of 130 (seen in CI). So wait for the launcher to go
+    (at most `timeout` s), then exit."""
+    try:
+        deadline = time.time() + timeout
+        while os.getppid() == launcher_pid and time.time() < deadline:
+            time.sleep(0.05)
+    finally:  # also when another signal's handler raises in here
+        os._exit(130)
 
 
 def save_final(trainer, checkpoint, last: Path) -> None:

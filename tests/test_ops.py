@@ -183,6 +183,40 @@ time.sleep(60)                                          # a teardown waiting on 
     assert "press Ctrl-C again to force" in err and "forced stop" in err
 
 
+def test_second_ctrl_c_in_a_rank_waits_for_its_launcher(tmp_path):
+    """A rank Lightning started must not leave before its launcher on a second Ctrl-C: Lightning's process
+    observer in the launcher SIGKILLs every process when a rank exits non-zero, so the job ended with -9
+    instead of 130 (a CI failure of the 2-press test above). The rank stays while the launcher lives and
+    exits at once when it is gone."""
+    rank = """
+import os, signal, sys, time
+os.environ["LOCAL_RANK"] = "1"
+from stages.progress import ForceOnSecondCtrlC
+cb = ForceOnSecondCtrlC()                               # created at start-up: remembers the launcher
+signal.signal(signal.SIGINT, signal.SIG_IGN)          # what Lightning does on the first KeyboardInterrupt
+cb.on_exception(None, None, KeyboardInterrupt())
+print(os.getpid(), flush=True)
+time.sleep(60)                                          # a teardown waiting on a collective
+"""
+    launcher = f"""
+import subprocess, sys, time
+r = subprocess.Popen([sys.executable, "-c", {rank!r}], stdout=subprocess.PIPE, text=True)
+print(r.stdout.readline().strip(), flush=True)
+time.sleep(60)                                          # the launcher, still shutting down
+"""
+    p = subprocess.Popen([sys.executable, "-c", launcher], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pid = int(p.stdout.readline())
+    os.kill(pid, signal.SIGINT)  # the second Ctrl-C reaches the rank
+    time.sleep(1.5)
+    assert _proc_status(pid) != "gone" and "State=Z" not in _proc_status(pid), "the rank left first"
+    p.kill()  # the launcher goes (forced exit, or the end of its graceful stop)
+    p.wait()
+    deadline = time.time() + 5
+    while time.time() < deadline and _proc_status(pid) != "gone" and "State=Z" not in _proc_status(pid):
+        time.sleep(0.1)
+    assert _proc_status(pid) == "gone" or "State=Z" in _proc_status(pid), _proc_status(pid)
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
     """Ctrl-C from a terminal (SIGINT to the launcher, its ranks and their loader workers): once -> graceful stop
@@ -194,7 +228,7 @@ def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
                         preexec_fn=_as_foreground_job)
     _wait_until((run / "progress.json").exists)
     rc, err = _press_ctrl_c(p, presses, gap=0.3, timeout=60)
-    assert rc == 130, err
+    assert rc == 130, (rc, err)
     if presses == 1:
         assert "resume with" in err and "--resume" in err
     left = _run_processes(run, timeout=20)
