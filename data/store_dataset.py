@@ -151,6 +151,12 @@ def worker_init(_worker_id: int) -> None:
     parent = multiprocessing.parent_process()
     pid = parent.pid if parent is not None and parent.pid else os.getppid()
     threading.Thread(target=_exit_with_parent, args=(pid,), name="dflash-parent-watch", daemon=True).start()
+    try:
+        from numcodecs import blosc
+
+        blosc.set_nthreads(1)
+    except ImportError:  # pragma: no cover
+        pass
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -160,12 +166,6 @@ def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(0)
-    try:
-        from numcodecs import blosc
-
-        blosc.set_nthreads(1)
-    except ImportError:  # pragma: no cover
-        pass
 
 
 class ResumableLoader(torch.utils.data.DataLoader):

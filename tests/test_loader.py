@@ -163,3 +163,23 @@ def test_reader_opens_each_array_once_and_reads_the_same_values(small_store):
             for name in names:
                 np.testing.assert_array_equal(got[name], group[name][ref.start:ref.start + ref.length])
     assert sorted(opened) == sorted(names), opened  # once each, over 2 x 12 reads
+
+
+def test_worker_init_keeps_a_worker_to_one_thread():
+    """Each loader worker decodes with one thread (torch and blosc), so 4 workers per rank don't fight the
+    training step for cores. The blosc line had slipped behind the parent-watch loop, where it never ran."""
+    code = """
+import torch
+from numcodecs import blosc
+from data.store_dataset import worker_init
+blosc.set_nthreads(4)
+worker_init(0)
+print(torch.get_num_threads(), blosc.get_nthreads())
+"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["1", "1"], out.stderr[-2000:]
