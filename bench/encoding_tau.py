@@ -134,7 +134,7 @@ def table(rows: list[dict], encodings: list[str]) -> None:
     keys = ("offline_tau", "serving_walk_tau", "online_tau")
     # a run pairs with the bf16 run of its seed from the same source (machine): CPU results repeat bit for
     # bit on one machine, not across machines
-    ref = {(r.get("source"), r["seed"], k): r[k] for r in rows if r["encoding"] == "bf16" for k in keys}
+    ref = {_pair(r, k): r[k] for r in rows if r["encoding"] == "bf16" for k in keys}
     print(f"\n{'encoding':<9}{'B/token':>9}" + "".join(f"{k:>32}" for k in keys) + f"{'seeds':>7}")
     for enc in encodings:
         rs = [r for r in rows if r["encoding"] == enc]
@@ -143,7 +143,7 @@ def table(rows: list[dict], encodings: list[str]) -> None:
         cells = []
         for k in keys:
             v = [r[k] for r in rs]
-            d = [100 * (r[k] / ref[(r.get("source"), r["seed"], k)] - 1) for r in rs if (r.get("source"), r["seed"], k) in ref]
+            d = [100 * (r[k] / ref[_pair(r, k)] - 1) for r in rs if _pair(r, k) in ref]
             sd = statistics.stdev(v) if len(v) > 1 else 0.0
             dm, dsd = (statistics.mean(d), statistics.stdev(d) if len(d) > 1 else 0.0) if d else (float("nan"), 0.0)
             cells.append(f"{statistics.mean(v):.3f}±{sd:.3f} ({dm:+.1f}±{dsd:.1f}%)")
@@ -152,8 +152,7 @@ def table(rows: list[dict], encodings: list[str]) -> None:
         if enc == "bf16":
             continue
         for k in keys:
-            d = [100 * (r[k] / ref[(r.get("source"), r["seed"], k)] - 1) for r in rows
-                 if r["encoding"] == enc and (r.get("source"), r["seed"], k) in ref]
+            d = [100 * (r[k] / ref[_pair(r, k)] - 1) for r in rows if r["encoding"] == enc and _pair(r, k) in ref]
             if len(d) > 1:
                 half = _t975(len(d) - 1) * statistics.stdev(d) / len(d) ** 0.5
                 m = statistics.mean(d)
@@ -162,6 +161,11 @@ def table(rows: list[dict], encodings: list[str]) -> None:
 
 _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
          15: 2.13, 19: 2.09, 24: 2.06, 29: 2.05}
+
+
+def _pair(row: dict, key: str) -> tuple:
+    """What a run pairs on: its results file (machine), seed and measure."""
+    return row.get("source"), row["seed"], key
 
 
 def _t975(df: int) -> float:

@@ -6,8 +6,8 @@ configs/qwen3.6-27b.yaml once per `--gpus` entry: the first with an empty compil
 run with another learning rate (what a user does next), which reuses the shared cache. `--gpus 0 0,1` compares
 one GPU with two DDP ranks (NCCL): samples/s count every rank's samples, and each rank reports its own first
 batch (its compile). Every stderr line is timestamped on arrival, so the table gives the time from launch to
-the first finished batch, the steady optimizer-step rate after it, and the end of the run (from "training
-done" to the final checkpoint in place, then to the process's exit).
+the first finished batch, the steady optimizer-step rate after it, and the end of the run (from the last
+step to the final checkpoint in place, then to the process's exit).
 
     python bench/train_e2e.py --root /tmp/e2e --steps 12 --gpus 0 0 0,1 --out $OUT/train_e2e.json
 """
@@ -79,8 +79,8 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     rc = p.wait()
     firsts = [float(m.group(1)) for _, x in lines if (m := re.search(r"first batch done ([0-9.]+) s", x))]
     first = max(firsts) if firsts else None  # with several ranks, the step waits for the slowest
-    final = next((float(m.group(1)) for _, x in lines if (m := re.search(r"in place ([0-9.]+) s after training ended", x))), None)
-    final_at = next((t for t, x in lines if "after training ended" in x), None)
+    final_at, final = next(((t, float(m.group(1))) for t, x in lines
+                            if (m := re.search(r"in place ([0-9.]+) s after training ended", x))), (None, None))
     stamps = [(t, int(m.group(1))) for t, x in lines if (m := re.match(r"train: step (\d+)/", x))]
     steady = None
     if len(stamps) >= 4:
