@@ -208,13 +208,11 @@ time.sleep(60)                                          # the launcher, still sh
     pid = int(p.stdout.readline())
     os.kill(pid, signal.SIGINT)  # the second Ctrl-C reaches the rank
     time.sleep(1.5)
-    assert _proc_status(pid) != "gone" and "State=Z" not in _proc_status(pid), "the rank left first"
+    assert _running(pid), "the rank left first"
     p.kill()  # the launcher goes (forced exit, or the end of its graceful stop)
     p.wait()
-    deadline = time.time() + 5
-    while time.time() < deadline and _proc_status(pid) != "gone" and "State=Z" not in _proc_status(pid):
-        time.sleep(0.1)
-    assert _proc_status(pid) == "gone" or "State=Z" in _proc_status(pid), _proc_status(pid)
+    _wait_until(lambda: not _running(pid), timeout=5)
+    assert not _running(pid), _proc_status(pid)
 
 
 @pytest.mark.parametrize("presses", [1, 2])
@@ -247,6 +245,12 @@ def test_extract_ctrl_c_to_the_group(tmp_path, presses):
     assert "resume with the same command" in err
     assert _gone(store, 5)
     _finish_and_verify(store)
+
+
+def _running(pid) -> bool:
+    """Alive and not a zombie (an exited process whose parent has not reaped it yet)."""
+    status = _proc_status(pid)
+    return status != "gone" and "State=Z" not in status
 
 
 def _proc_status(pid) -> str:
