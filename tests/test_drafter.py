@@ -94,6 +94,44 @@ def test_no_leakage(kind):
         assert c[:2].max() == 0 and c[2:].min() > 0
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+@pytest.mark.parametrize("kind", ["full_attention", "sliding_attention"])
+def test_dense_anchors_no_cross_block_leak(kind, attention):
+    """Anchors closer than a block apart (every position: each block's positions overlap the next bs-1 blocks')
+    leak nothing between blocks (SpecForge #470: a leak made the training loss better than serving). The batched
+    training forward must equal drafting each anchor ALONE from the features strictly before it, which sees no
+    other block by construction; and perturbing every other block's tokens changes nothing in a block."""
+    import warnings
+
+    d = tiny_drafter([kind, "full_attention"], seed=5)
+    g = torch.Generator().manual_seed(5)
+    S = 11
+    tokens = torch.randint(2, V, (1, S), generator=g)
+    feats = torch.randn(S, 2 * H, generator=g, dtype=torch.float64)
+    embed = torch.randn(V, H, generator=g, dtype=torch.float64)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    anchors = torch.arange(S)[None]  # [1, 11]: one anchor at every position, blocks overlap by bs-1 positions
+    A = anchors.shape[1]
+    blk = build_blocks(tokens, torch.ones_like(tokens), anchors, BS, d.arch.mask_token_id, 4.0)
+    embeds = torch.nn.functional.embedding(blk.input_ids, embed)  # [1, A*BS, H]
+    attend = make_attend(attention, anchors=anchors, block_size=BS, ctx_len=S, layer_types=d.arch.layer_types,
+                         sliding_window=d.arch.sliding_window, compile=False)
+    ctx = d.project_context(feats[None])
+    with warnings.catch_warnings(), torch.no_grad():  # flex has no backward on CPU
+        warnings.simplefilter("ignore")  # eager flex_attention on CPU warns that it is not compiled
+        train_h = d(embeds, ctx, blk.positions, torch.arange(S)[None], attend)  # [1, A*BS, H]
+        e = embeds.clone().view(A, BS, H)
+        for j in range(A):  # perturb every block but j: block j must not move
+            pert = e + 1.0
+            pert[j] = e[j]
+            moved = d(pert.view(1, A * BS, H), ctx, blk.positions, torch.arange(S)[None], attend)
+            assert torch.equal(moved.view(A, BS, H)[j], train_h.view(A, BS, H)[j]), (j, "sees another block")
+    train_logits = train_h.view(A, BS, H)[:, 1:] @ head.t()
+    for j, p in enumerate(anchors[0].tolist()):  # each anchor alone, only the context strictly before it
+        alone = draft_blocks(d, feats[:p], torch.tensor([p]), tokens[0, p : p + 1], embed, head, return_logits=True)[1]
+        assert torch.allclose(alone[0].double(), train_logits[j], atol=1e-9), j
+
+
 @pytest.mark.parametrize("kind", ["full_attention", "sliding_attention"])
 def test_rope_at_true_positions(kind):
     d = tiny_drafter([kind, "full_attention"])

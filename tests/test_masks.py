@@ -49,6 +49,22 @@ def test_dense_mask_matches_brute_force(window):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_dense_anchors_mask_matches_brute_force(window):
+    """Anchors one position apart (closer than a block): every block's positions overlap its neighbours', yet
+    a query sees only its own block's tokens and context strictly before its own anchor (SpecForge #470)."""
+    S, bs = 9, 4
+    anchors = torch.arange(S - 1)[None]  # [1, 8]
+    got = dense_mask(anchors, bs, S, torch.tensor([S]), window)
+    assert torch.equal(got, brute_force_mask(anchors, bs, S, torch.tensor([S]), window))
+    m = got[0, 0]
+    for q in range(m.shape[0]):
+        j = q // bs
+        seen_blocks = {kv // bs for kv in m[q, S:].nonzero().flatten().tolist()}  # block of each seen token
+        assert seen_blocks <= {j}, (q, seen_blocks)
+        assert all(kv < int(anchors[0, j]) for kv in m[q, :S].nonzero().flatten().tolist())
+
+
 def test_mask_pins():
     S, bs = 12, 4
     anchors = torch.tensor([[5, 8, -1]])
