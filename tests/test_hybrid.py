@@ -360,3 +360,56 @@ def test_hybrid_end_to_end_lossless_with_the_rolled_back_cache(hybrid, tmp_path)
     assert on["lossless"] and on["mismatches"] == 0 and on["cache"] == "kv", on
     assert "linear-attention conv+recurrent states restored" in on["cache_rollback"]
     assert on["speculative_target_forwards"] < on["greedy_target_forwards"] + on["prompts"] * 16
+
+
+_AUTOTUNE = """
+import torch
+from pipeline.kernels import resolved_kernels, use_kernel_cache
+use_kernel_cache()  # before the kernels are imported, as the extract worker and the online eval do
+from bench.extract_bench import build_model
+model, cfg = build_model("qwen3_5", "tiny", device="cuda")
+print("BOUND", resolved_kernels()["chunk_gated_delta_rule"], flush=True)
+with torch.inference_mode():
+    for B, S in ((2, 300), (3, 200), (2, 300)):
+        model.model(input_ids=torch.randint(0, 1000, (B, S), device="cuda"), use_cache=False)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+def test_kernel_autotuning_is_paid_once_per_machine(tmp_path):
+    """With flash-linear-attention installed (`.[gpu]`), transformers binds its Triton kernels; the first process
+    autotunes them, a second process (a resumed run, the next shard) reads every choice from the kept cache."""
+    pytest.importorskip("fla.ops.gated_delta_rule", reason="flash-linear-attention (fla-core) not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env.update(DFLASH_COMPILE_CACHE=str(tmp_path / "compile"), TRITON_PRINT_AUTOTUNING="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    runs = [subprocess.run([sys.executable, "-c", _AUTOTUNE], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "BOUND fla.ops.gated_delta_rule" in runs[0].stdout
+    assert runs[0].stdout.count("Triton autotuning for function") > 0
+    assert runs[1].stdout.count("Triton autotuning for function") == 0, runs[1].stdout[-3000:]
+    assert list((tmp_path / "kernels").rglob("*.autotune.json"))
+
+
+@pytest.mark.slow
+def test_benchmarks_run_on_cpu_at_a_tiny_size(tmp_path):
+    """bench/extract_bench.py --arch qwen3_5 and bench/load_bench.py, as the GPU parts call them, at a tiny size."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "bench/extract_bench.py", "--tiny", "--device", "cpu", "--tokens", "400",
+                        "--encodings", "int5", "--out", str(tmp_path / "x.json")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    x = json.loads((tmp_path / "x.json").read_text())
+    assert x["arch"] == "qwen3_5" and x["layers_built"] == 6 and x["layer_ids"] == [1, 2, 3, 4, 5]
+    assert x["kernels"]["chunk_gated_delta_rule"].startswith("transformers.")  # no fla on this machine
+    assert x["encodings"]["int5"]["ratio_vs_bare"] > 0 and "extract_meets_goal" in x["goals"]
+    assert "goals (one H200)" in r.stdout and "CPU: transformers' torch reference paths" in r.stdout
+    r = subprocess.run([sys.executable, "bench/load_bench.py", "--tiny", "--device", "cpu", "--layers", "4",
+                        "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "l.json")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loads = json.loads((tmp_path / "l.json").read_text())["loads"]
+    assert loads["dflash"]["layers"] == loads["old"]["layers"] == 4
