@@ -6,7 +6,9 @@ are greedy-decoded and speculatively decoded (stages/speculate.py) on the same m
 prompt after a warm-up. Serving hands the drafter the target's bf16 hidden states whatever encoding its
 training store used. Reports tau (tokens per verify step), tokens per target forward, the wall-clock speedup
 and every prompt whose speculative output differs from greedy (must be none: that is a bug, reported with
-the target's logit gap at the first difference).
+the target's logit gap at the first difference), and which cache policy ran and how it rolled back rejected
+drafts (`cache`, `cache_rollback`; hybrid targets restore their linear-attention states, stages/speculate.py).
+A hybrid target's kernels are named in one line before loading (pipeline/kernels.py).
 """
 
 from __future__ import annotations
