@@ -165,7 +165,12 @@ class RollbackCache:
         self.replays += 1
 
     def describe(self) -> str:
-        kind, why = self.support(self.model)
+        return self.describe_model(self.model)
+
+    @classmethod
+    def describe_model(cls, model: nn.Module) -> str:
+        """How rollback works on this model's cache, for reports (builds no hooks)."""
+        kind, why = cls.support(model)
         if kind == "hybrid":
             return (f"kv cache ({why}): attention KV cropped; linear-attention conv+recurrent states restored "
                     "from a snapshot and advanced over the accepted tokens only")

@@ -77,7 +77,7 @@ class TargetRunner:
         if self.policy == "recompute":
             why = "" if self.requested == "recompute" else f" (the cache cannot roll back: {self.why})"
             return "recompute: no cache, every forward reruns the whole sequence" + why
-        return (self._cache or RollbackCache(self.model)).describe()
+        return RollbackCache.describe_model(self.model)
 
     @property
     def length(self) -> int:

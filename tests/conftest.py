@@ -8,6 +8,16 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture
+def one_thread():
+    """Toy-sized matmuls: thread hand-offs cost more than they save (10 ms per tiny linear on a loaded 2-core
+    machine with 2 threads), as the online eval does for tiny targets."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -18,6 +18,8 @@ REQUIRED = [
 ]
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # toy-sized models (tests/conftest.py)
+
 @pytest.fixture(scope="module")
 def drafter():
     torch.manual_seed(0)
@@ -97,16 +99,6 @@ def test_round_trips(drafter, tmp_path):
 # z-lab's calling convention: forward(position_ids, noise_embedding=, target_hidden=, past_key_values=) and
 # spec_generate, driven the way z-lab-based code drives its drafters
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Toy-sized matmuls: thread hand-offs cost more than they save (10 ms per tiny linear on a loaded 2-core
-    machine with 2 threads), as the online eval does for tiny targets."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

@@ -30,15 +30,7 @@ from scripts.make_tiny_hybrid import build_tiny_hybrid  # noqa: E402
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Toy-sized matmuls: thread hand-offs cost more than they save (10 ms per tiny linear on a loaded 2-core
-    machine with 2 threads), as the online eval does for tiny targets."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
+pytestmark = pytest.mark.usefixtures("one_thread")  # toy-sized models (tests/conftest.py)
 
 @pytest.fixture(scope="session")
 def hybrid(tmp_path_factory) -> Path:
