@@ -213,12 +213,12 @@ def read_frozen_head(d: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if mk in want:
             with safe_open(str(f), "pt") as fh:
                 out[want[mk]] = fh.get_tensor(key).to(dtype).contiguous()
-    if bool(getattr(cfg, "tie_word_embeddings", False)) or "lm_head.weight" not in out:
-        if not getattr(cfg, "tie_word_embeddings", False):
-            raise CheckpointError(f"{d} has no lm_head weight and its config does not tie it to the embedding")
-        out["lm_head.weight"] = out["embed_tokens.weight"]
     if "embed_tokens.weight" not in out:
         raise CheckpointError(f"{d} has no embed_tokens weight")
+    if bool(getattr(cfg, "tie_word_embeddings", False)):
+        out["lm_head.weight"] = out["embed_tokens.weight"]  # a tied head is the embedding, never a fresh matrix
+    elif "lm_head.weight" not in out:
+        raise CheckpointError(f"{d} has no lm_head weight and its config does not tie it to the embedding")
     return out
 
 

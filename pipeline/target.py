@@ -3,8 +3,8 @@
 Contract:
 - Layer id k means the output of decoder layer k, i.e. transformers' `hidden_states[k + 1]` (index 0 of
   `hidden_states` is the embedding output). `capture_features` is tested equal to that on the tiny target.
-- Only the layers up to the deepest selected id run (the rest are dropped after loading); the final norm
-  and lm_head logits are never computed during extraction.
+- Only the layers up to the deepest selected id run (with keep_layers the rest are never built); the final
+  norm and lm_head logits are never computed during extraction.
 - `load_target` loads like a serving engine (pipeline/checkpoint.py): straight to the device, text model only
   (no vision tower, no mtp weights), and with `keep_layers` only the layers that run. It falls back to
   transformers' `from_pretrained` for trust_remote_code targets and checkpoints without safetensors.
@@ -166,15 +166,18 @@ def load_target(path: str, dtype: torch.dtype, device: torch.device, attn_implem
     return model.to(device).eval()
 
 
-def frozen_head_from_checkpoint(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """frozen_head_tensors' result read from the checkpoint files, without building the model (a checkpoint
-    without safetensors files goes through the model on the CPU instead)."""
+def frozen_head_from_checkpoint(path: str, dtype: torch.dtype, model: Optional[nn.Module] = None,
+                                trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
+    """frozen_head_tensors' result read from the checkpoint files, without the model. A trust_remote_code
+    target (its key names are its own) or a checkpoint without safetensors takes them from `model` instead."""
     from pipeline.checkpoint import read_frozen_head, weight_files
 
     d = local_checkpoint_dir(path)
-    if weight_files(d):
+    if not trust_remote_code and weight_files(d):
         return read_frozen_head(d, dtype)
-    return frozen_head_tensors(load_target(path, dtype, torch.device("cpu"), keep_layers=0))
+    if model is None:
+        raise ValueError(f"{path}: the frozen head of this target can only be taken from the loaded model")
+    return frozen_head_tensors(model)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

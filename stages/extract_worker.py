@@ -191,7 +191,8 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -
     if not st.exists(head_path):
         from safetensors.torch import save
 
-        tensors = frozen_head_from_checkpoint(cfg.target.path, dtype)  # read from the checkpoint files
+        # read from the checkpoint files (a trust_remote_code target: from the model)
+        tensors = frozen_head_from_checkpoint(cfg.target.path, dtype, model, cfg.target.trust_remote_code)
         tied = root_attrs["target"]["tie_word_embeddings"]
         if tied:
             tensors.pop("lm_head.weight")

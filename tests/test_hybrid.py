@@ -331,6 +331,7 @@ def test_hybrid_end_to_end_lossless_with_the_rolled_back_cache(hybrid, tmp_path)
     common = ["--config", TINY, *_sets(f"target.path={hybrid}", *HYBRID_RUN)]
     r = dflash("extract", *common, "--shards", "1", "--store", store)
     assert "complete" in r.stderr
+    assert "target kernels (6 linear-attention layers): CPU: transformers' torch reference paths" in r.stderr
     from pipeline import store as st
 
     attrs = st.read_root_attrs(store)
@@ -356,8 +357,9 @@ def test_hybrid_end_to_end_lossless_with_the_rolled_back_cache(hybrid, tmp_path)
                   "train.val_every=1000", "train.checkpoint_every=1000"))
     export = run / "export"
     assert (export / "model.safetensors").exists()
-    dflash("eval", str(export), *common, "--store", store, "--online", "--cache", "kv", "--out", str(out),
-           *_sets("eval.num_prompts=4", "eval.max_new_tokens=16", "eval.max_anchors_per_sample=16"))
+    e = dflash("eval", str(export), *common, "--store", store, "--online", "--cache", "kv", "--out", str(out),
+               *_sets("eval.num_prompts=4", "eval.max_new_tokens=16", "eval.max_anchors_per_sample=16"))
+    assert "eval: target kernels (6 linear-attention layers)" in e.stderr and "cache=kv" in e.stderr
     report = json.loads((out / "report.json").read_text())
     on = report["online"]
     assert report["offline"]["tau"] >= 1.0
