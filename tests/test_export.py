@@ -193,17 +193,11 @@ def test_spec_generate_equals_greedy_and_old_positional_call_still_works(hf_dens
         assert torch.equal(hf(emb, feats, pos), hf(noise_embedding=emb, target_hidden=feats, position_ids=pos))
 
 
-def test_spec_generate_is_lossless_on_the_hybrid_target(tmp_path):
+def test_spec_generate_is_lossless_on_the_hybrid_target(hybrid, tmp_path):
     """On the Qwen3.5-layout replica, spec_generate rolls back the linear-attention states (target_cache.py)."""
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
     from pipeline.target import load_target
-    from scripts.make_tiny_hybrid import build_tiny_hybrid
 
-    target = load_target(str(build_tiny_hybrid(tmp_path / "hyb")), torch.float32, torch.device("cpu"))
+    target = load_target(str(hybrid), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
     arch = DrafterArch(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, target_layer_ids=[1, 3, 5], block_size=4, mask_token_id=3,

@@ -32,12 +32,6 @@ CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # toy-sized models (tests/conftest.py)
 
-@pytest.fixture(scope="session")
-def hybrid(tmp_path_factory) -> Path:
-    """The tiny replica (~2 MB, 8 layers: 3 x linear + 1 full, twice), built once per test session."""
-    return build_tiny_hybrid(tmp_path_factory.mktemp("hybrid") / "qwen3_5-tiny")
-
-
 @pytest.fixture(scope="module")
 def reference(hybrid):
     """What transformers itself loads from the replica (the text-only Qwen3_5ForCausalLM)."""
