@@ -3,6 +3,8 @@
 #   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile
 #   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
+#   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
+#        needs fla-core + einops in .whl/: ../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
 [ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
@@ -24,7 +26,7 @@ for part in "$@"; do
       python3 bench/train_e2e.py --root /tmp/e2e --samples ${DDP_SAMPLES:-64} --steps ${DDP_STEPS:-20} --gpus ${DDP_GPUS:-0 0,1 0,1} \
         --out "$OUT/train_e2e_ddp.json" > "$OUT/train_e2e_ddp.log" 2>&1; tail -8 "$OUT/train_e2e_ddp.log" ;;
     extract2)  # extraction scaling: one process alone on GPU 0, then one per GPU at the same time (2 GPUs)
-      x="bench/extract_bench.py --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings int5"
+      x="bench/extract_bench.py --arch qwen3 --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings int5"
       python3 $x --store-dir /tmp/xs --out "$OUT/extract_solo.json" > "$OUT/extract_solo.log" 2>&1; rm -rf /tmp/xs
       for g in 0 1; do CUDA_VISIBLE_DEVICES=$g python3 $x --store-dir /tmp/xp$g --out "$OUT/extract_gpu$g.json" > "$OUT/extract_gpu$g.log" 2>&1 & done
       wait; tail -n 6 "$OUT"/extract_*.log ;;
@@ -32,7 +34,7 @@ for part in "$@"; do
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;
     profile) python3 bench/train_bench.py --modes flex --steps 3 --cache-dir /tmp/cc --profile 2>&1 | tail -45 ;;
-    extract) python3 bench/extract_bench.py --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings bf16,fp8,int5,int4 \
+    extract) python3 bench/extract_bench.py --arch qwen3 --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings bf16,fp8,int5,int4 \
                --store-dir /tmp/xb --out "$OUT/extract.json" 2>&1 | tail -12 ;;
     tau)  # issue 7's paired tau study on the GPU: tiny drafters side by side; rows reach $OUT as they finish
       ( while sleep 15; do cp /tmp/tau/results.jsonl "$OUT/tau_results.jsonl" 2>/dev/null; done ) & copier=$!
@@ -63,6 +65,14 @@ for part in "$@"; do
         --set train.val_every=100000 2>&1 | grep -E "first batch|step (50|100|150|200)/|Error|error" | head
       python3 -c "import pstats; s=pstats.Stats('$OUT/tiny_train.prof'); s.sort_stats('tottime').print_stats(30); s.sort_stats('cumulative').print_stats(60)" > "$OUT/tiny_train_prof.txt"
       head -60 "$OUT/tiny_train_prof.txt" ;;
+    extract35)  # the real hybrid layout (Qwen3_5ForCausalLM, layers 0..61): kernels bound, first pass on a cold
+                # kernel cache, bare forward vs >= 9,000 tok/s, extraction / bare for int5 (goal >= 0.95), fp8, bf16
+      rm -rf /tmp/kc /tmp/xb; python3 bench/extract_bench.py --arch qwen3_5 --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 \
+        --encodings int5,fp8,bf16 --kernel-cache /tmp/kc --store-dir /tmp/xb --out "$OUT/extract35.json" 2>&1 | tail -16 ;;
+    load35)  # peak host memory per worker of loading a real-width hybrid checkpoint (8 layers, ~11 GB): dflash vs old
+      python3 bench/load_bench.py --layers ${LOAD_LAYERS:-8} --dir /tmp/ckpt35 --out "$OUT/load35.json" 2>&1 | tail -6
+      rm -rf /tmp/ckpt35 ;;
+    hybridtests) python3 -m pytest -q -m gpu tests/test_hybrid.py -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     store) python3 bench/store_bench.py --root /tmp/sb --out "$OUT/store.json" 2>&1 | tail -22 ;;
     *) echo "unknown part $part" ;;
   esac

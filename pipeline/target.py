@@ -3,11 +3,17 @@
 Contract:
 - Layer id k means the output of decoder layer k, i.e. transformers' `hidden_states[k + 1]` (index 0 of
   `hidden_states` is the embedding output). `capture_features` is tested equal to that on the tiny target.
-- Only the layers up to the deepest selected id run (the rest are dropped after loading); the final norm
-  and lm_head logits are never computed during extraction.
-- `target_fingerprint` identifies a target from its config and weights index without loading weights.
+- Only the layers up to the deepest selected id run (with keep_layers the rest are never built); the final
+  norm and lm_head logits are never computed during extraction.
+- `load_target` loads like a serving engine (pipeline/checkpoint.py): straight to the device, text model only
+  (no vision tower, no mtp weights), and with `keep_layers` only the layers that run. It falls back to
+  transformers' `from_pretrained` for trust_remote_code targets and checkpoints without safetensors.
+- `target_fingerprint` identifies a target without loading it: hashes of its config and of its weights'
+  bytes (`weights_sha256`: the sha256 of each safetensors file, read once per machine and cached by path,
+  size, mtime and inode), so a fine-tune or a tensor edited in place is another target.
 - `frozen_head_tensors` returns what training needs from the target: the input embedding, the output head
-  (the embedding itself when the target ties them) and the final norm weight.
+  (the embedding itself when the target ties them) and the final norm weight; `frozen_head_from_checkpoint`
+  reads the same tensors straight from the checkpoint files.
 """
 
 from __future__ import annotations
@@ -45,33 +51,64 @@ def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _weights_fingerprint(path: str, d: Path) -> tuple[str, str]:
+    """(sha256 over {weight file name: sha256 of its bytes}, "content"), or the index's hash ("index") when the
+    weights are neither local nor listed with their hashes by the hub."""
+    from pipeline.checkpoint import content_hashes, weight_files
+
+    files = weight_files(d)
+    local = Path(path).is_dir() and files and all(f.exists() for f in files)
+    digests = content_hashes(d, log=_log) if local else None
+    if digests is None and not Path(path).exists():
+        digests = _hub_lfs_hashes(path)  # the hub's LFS oid is the file's sha256: the same digests, no download
+    if digests:
+        return _sha256_bytes(json.dumps(digests, sort_keys=True).encode()), "content"
+    index = d / "model.safetensors.index.json"
+    return _sha256_bytes(index.read_bytes() if index.exists() else b""), "index"
+
+
+def _hub_lfs_hashes(repo: str) -> Optional[dict]:
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(repo, files_metadata=True)
+        out = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.rfilename.endswith(".safetensors")
+               and getattr(s, "lfs", None) is not None}
+        return out or None
+    except Exception:  # noqa: BLE001 - offline: fall back to the index
+        return None
+
+
+def _log(msg: str) -> None:
+    import sys
+
+    print(f"target: {msg}", file=sys.stderr, flush=True)
+
+
 def target_fingerprint(path: str) -> dict:
-    """Hashes of config.json and of the weights index (or each safetensors header) plus key shapes."""
+    """Hashes of config.json and of the weights' bytes, plus the shape fields the store records.
+
+    weights_sha256 changes when any byte of any safetensors file changes (a fine-tune with the same config and
+    sharding, a tensor rewritten in place); weights_hash says how it was computed ("content", or "index" for a
+    hub id whose files are neither local nor listed with hashes)."""
     d = local_target_dir(path)
     cfg_text = (d / "config.json").read_text()
     cfg = json.loads(cfg_text)
     cfg_hash = _sha256_bytes(json.dumps(cfg, sort_keys=True).encode())
-    index = d / "model.safetensors.index.json"
-    if index.exists():
-        weights_hash = _sha256_bytes(index.read_bytes())
-    else:
-        h = hashlib.sha256()
-        for f in sorted(d.glob("*.safetensors")):
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                h.update(fh.read(n))  # the header: names, dtypes, shapes and offsets of every tensor
-            h.update(str(f.stat().st_size).encode())
-        weights_hash = h.hexdigest()
+    weights_hash, how = _weights_fingerprint(path, d)
     text_cfg = cfg.get("text_config", cfg)
     return {
         "config_sha256": cfg_hash,
         "weights_sha256": weights_hash,
+        "weights_hash": how,
         "model_type": cfg.get("model_type"),
+        "architectures": cfg.get("architectures"),
         "num_hidden_layers": int(text_cfg["num_hidden_layers"]),
         "hidden_size": int(text_cfg["hidden_size"]),
         "vocab_size": int(text_cfg["vocab_size"]),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))),
-        "rope_theta": text_cfg.get("rope_theta"),
+        "rope_theta": text_cfg.get("rope_theta", (text_cfg.get("rope_parameters") or {}).get("rope_theta")),
+        "layer_types": text_cfg.get("layer_types"),
     }
 
 
@@ -98,15 +135,49 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     return {"sha256": vocab_hash, "chat_template_sha256": _sha256_bytes(template.encode()), "name": tokenizer.name_or_path}
 
 
+def local_checkpoint_dir(path: str) -> Path:
+    """A local directory with the target's weights: the directory itself, or the hub snapshot of a hub id (its
+    safetensors and metadata only, no *.bin duplicates)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+
+
 def load_target(path: str, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa",
-                trust_remote_code: bool = False) -> nn.Module:
+                trust_remote_code: bool = False, keep_layers: Optional[int] = None) -> nn.Module:
+    """The target's text causal LM on `device` in eval mode; with keep_layers only its first keep_layers decoder
+    layers exist (extraction: max(layer_ids) + 1). See the module contract."""
+    from pipeline.checkpoint import load_text_model, weight_files
+
+    d = local_checkpoint_dir(path)
+    if not trust_remote_code and weight_files(d):
+        return load_text_model(d, dtype, device, keep_layers, attn_implementation)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        str(d), dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
     model.requires_grad_(False)
+    if keep_layers is not None:
+        truncate_layers(model, keep_layers)
     return model.to(device).eval()
+
+
+def frozen_head_from_checkpoint(path: str, dtype: torch.dtype, model: Optional[nn.Module] = None,
+                                trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
+    """frozen_head_tensors' result read from the checkpoint files, without the model. A trust_remote_code
+    target (its key names are its own) or a checkpoint without safetensors takes them from `model` instead."""
+    from pipeline.checkpoint import read_frozen_head, weight_files
+
+    d = local_checkpoint_dir(path)
+    if not trust_remote_code and weight_files(d):
+        return read_frozen_head(d, dtype)
+    if model is None:
+        raise ValueError(f"{path}: the frozen head of this target can only be taken from the loaded model")
+    return frozen_head_tensors(model)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -119,7 +190,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def truncate_layers(model: nn.Module, keep: int) -> None:
-    """Drop the decoder layers after the first `keep` (they never run during extraction)."""
+    """Drop the decoder layers after the first `keep` (they never run during extraction). A model loaded with
+    keep_layers already has no more."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     owner = base if isinstance(getattr(base, "layers", None), nn.ModuleList) else base.language_model
     owner.layers = nn.ModuleList(list(owner.layers)[:keep])

@@ -6,7 +6,9 @@ are greedy-decoded and speculatively decoded (stages/speculate.py) on the same m
 prompt after a warm-up. Serving hands the drafter the target's bf16 hidden states whatever encoding its
 training store used. Reports tau (tokens per verify step), tokens per target forward, the wall-clock speedup
 and every prompt whose speculative output differs from greedy (must be none: that is a bug, reported with
-the target's logit gap at the first difference).
+the target's logit gap at the first difference), and which cache policy ran and how it rolled back rejected
+drafts (`cache`, `cache_rollback`; hybrid targets restore their linear-attention states, stages/speculate.py).
+A hybrid target's kernels are named in one line before loading (pipeline/kernels.py).
 """
 
 from __future__ import annotations
@@ -81,6 +83,16 @@ def stop_token_ids(tokenizer, model) -> set[int]:
     return ids
 
 
+def _layer_types(path: str) -> Optional[list]:
+    try:
+        from pipeline.target import local_target_dir
+
+        cfg = json.loads((local_target_dir(path) / "config.json").read_text())
+        return cfg.get("text_config", cfg).get("layer_types")
+    except (OSError, ValueError):
+        return None
+
+
 @torch.inference_mode()
 def _margin(model, prefix: list[int], greedy: list[int], spec: list[int], i: int) -> Optional[float]:
     """Diagnostic for a mismatch: the target's logit gap (full forward, no cache) between the two tokens chosen
@@ -107,6 +119,7 @@ def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: 
 
 
 def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cache, store_attrs, threads) -> dict:
+    from pipeline.kernels import kernel_report, use_kernel_cache
     from pipeline.target import DTYPES, load_target, load_tokenizer
     from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
 
@@ -118,6 +131,11 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
             log(f"eval: WARNING: the store was extracted with enable_thinking={think} but data.enable_thinking="
                 f"{cfg.data.enable_thinking}; the drafter is being served a different template than it learned")
     tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
+    line = kernel_report(_layer_types(cfg.target.path), device.type)
+    if line:
+        log(f"eval: {line}")
+        if device.type == "cuda":
+            use_kernel_cache()
     model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
     n_layers = model.config.get_text_config().num_hidden_layers
     if max(arch.target_layer_ids) >= n_layers:
@@ -134,7 +152,11 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
     draft_fn = dflash_draft_fn(drafter, embed, head)
     stops = stop_token_ids(tokenizer, model)
     prompts = heldout_prompts(cfg, num_prompts)
-    runner = TargetRunner(model, cache)
+    try:
+        runner = TargetRunner(model, cache)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    log(f"eval: {runner.describe()}")
 
     def render(messages):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -178,6 +200,7 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "cache": runner.policy,
+        "cache_rollback": runner.describe(),
         "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
         "prompts": len(encoded),
         "max_new_tokens": max_new_tokens,

@@ -203,6 +203,11 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
                   "--gpus or --shards changes that", file=sys.stderr)
         check_gpus_free(placed, need_gib=_target_gib(cfg.target.path) + 8)
     _disk_check(store_path, provenance, samples, num_shards, todo)
+    from pipeline.kernels import kernel_report
+
+    kernels = kernel_report(provenance["target"].get("layer_types"), "cuda" if n_gpu else "cpu")
+    if kernels:
+        print(f"extract: {kernels}", file=sys.stderr)
     resume_hint = f"resume with the same command: {command}"
     logs = _log_dir(store_path)
     from stages.progress import Tee

@@ -30,8 +30,8 @@ from pipeline import store as st
 from pipeline.preflight import die_with_parent
 from pipeline.config import Config
 from pipeline.encoding import encode, to_storage
-from pipeline.target import (DTYPES, FeatureCapture, capture_features, frozen_head_tensors, load_target,
-                             load_tokenizer, truncate_layers)
+from pipeline.target import (DTYPES, FeatureCapture, capture_features, frozen_head_from_checkpoint, load_target,
+                             load_tokenizer)
 
 
 def emit(event: str, **fields) -> None:
@@ -178,18 +178,25 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = DTYPES[cfg.target.dtype if cuda else cfg.target.cpu_dtype]
-    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
     layer_ids = root_attrs["layer_ids"]
+    if cuda:
+        from pipeline.kernels import use_kernel_cache
+
+        use_kernel_cache()  # before the kernels are imported: autotuning is kept for later batches and runs
+    # straight to the device, text model only, layers 0..max(layer_ids) (pipeline/checkpoint.py)
+    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code,
+                        keep_layers=max(layer_ids) + 1)
+    _log_kernels(root_attrs)
     head_path = st.frozen_head_path(store_path)
     if not st.exists(head_path):
         from safetensors.torch import save
 
-        tensors = frozen_head_tensors(model)
+        # read from the checkpoint files (a trust_remote_code target: from the model)
+        tensors = frozen_head_from_checkpoint(cfg.target.path, dtype, model, cfg.target.trust_remote_code)
         tied = root_attrs["target"]["tie_word_embeddings"]
         if tied:
             tensors.pop("lm_head.weight")
         st.write_bytes_atomic(head_path, save(tensors, metadata={"tie_word_embeddings": str(tied).lower()}))
-    truncate_layers(model, max(layer_ids) + 1)
     capture = FeatureCapture(model, layer_ids)
     encoding = root_attrs["encoding"]
 
@@ -230,6 +237,17 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -
     report(writer.progress)
     emit("done", shard=shard_index, already=False)
     return 0
+
+
+def _log_kernels(root_attrs: dict) -> None:
+    """The shard log names the kernels transformers bound for a hybrid target, and the peak host memory so far."""
+    from pipeline.checkpoint import peak_rss_bytes
+
+    if "linear_attention" in (root_attrs["target"].get("layer_types") or []):
+        from pipeline.kernels import resolved_kernels
+
+        print(f"target kernels: {resolved_kernels()}", file=sys.stderr, flush=True)
+    print(f"target loaded; peak host memory {peak_rss_bytes() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,12 @@
 
 Contract (used by `dflash eval --online` and the tests):
 - Both decoders run the same target through the same `TargetRunner`, with the same cache policy:
-  "kv" (a transformers DynamicCache; rejected draft tokens are rolled back with `crop`) or "recompute"
-  (no cache: every forward reruns the whole sequence). "auto" picks "kv" when every cache layer is a plain
-  full-attention DynamicLayer that can be cropped, else "recompute" (sliding-window or linear-attention
-  layers cannot roll back). The result says which policy ran.
+  "kv" (a transformers DynamicCache through pipeline/target_cache.py: rejected draft tokens' keys and values
+  are cropped; on a hybrid target the linear-attention conv and recurrent states are restored from a snapshot
+  and advanced over the accepted tokens only) or "recompute" (no cache: every forward reruns the whole
+  sequence). "auto" picks "kv" when the cache can be rolled back (dense and Qwen3.5-style hybrid targets),
+  else "recompute" (e.g. sliding-window KV layers); an explicit "kv" that cannot roll back is refused with
+  the reason. The result says which policy ran (`cache`) and how it rolled back (`TargetRunner.describe`).
 - Greedy: prefill -> argmax -> one target forward per new token; stops after a stop token or max_new_tokens.
 - Speculative: prefill -> first token. Each step: the drafter proposes bs-1 tokens after the last verified
   token `last` (at position p) from the target features of the verified positions < p (layers layer_ids,
@@ -23,7 +25,6 @@ Contract (used by `dflash eval --online` and the tests):
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -47,55 +48,53 @@ class DecodeResult:
     cache: str = "kv"
 
 
-def _cache_kwarg(model: nn.Module) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 class TargetRunner:
     """One sequence through the target: extend it by some tokens, read their logits/features, roll back."""
 
     def __init__(self, model: nn.Module, cache: str = "auto"):
+        from pipeline.target_cache import RollbackCache
+
         if cache not in ("auto", "kv", "recompute"):
             raise ValueError(f"cache policy must be auto, kv or recompute, got {cache!r}")
         self.model, self.requested = model, cache
         self.device = next(model.parameters()).device
-        self._kw = _cache_kwarg(model)
-        self.policy = "recompute" if cache == "recompute" else "kv"
+        self.kind, self.why = RollbackCache.support(model)
+        if cache == "kv" and self.kind is None:
+            raise ValueError(f"--cache kv: this target's cache cannot roll back rejected drafts ({self.why}); "
+                             "use --cache recompute (or auto)")
+        self.policy = "recompute" if cache == "recompute" or self.kind is None else "kv"
         self._cache = None
         self._seq: Optional[Tensor] = None
 
     def reset(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
         self._cache, self._seq = None, None
 
-    def _new_cache(self):
-        from transformers import DynamicCache
+    def describe(self) -> str:
+        from pipeline.target_cache import RollbackCache
 
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            return DynamicCache()
+        if self.policy == "recompute":
+            why = "" if self.requested == "recompute" else f" (the cache cannot roll back: {self.why})"
+            return "recompute: no cache, every forward reruns the whole sequence" + why
+        return RollbackCache.describe_model(self.model)
 
     @property
     def length(self) -> int:
         if self.policy == "kv":
-            return 0 if self._cache is None else int(self._cache.get_seq_length())
+            return 0 if self._cache is None else self._cache.length
         return 0 if self._seq is None else int(self._seq.shape[1])
 
     def extend(self, ids: list[int] | Tensor) -> Tensor:
         """Append tokens; returns their logits [T, V] (fp32). Hooks registered on the model see the forward."""
+        from pipeline.target_cache import RollbackCache
+
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
         T = ids.shape[1]
         if self.policy == "kv":
-            first = self._cache is None
-            if first:
-                self._cache = self._new_cache()
-            out = self.model(input_ids=ids, use_cache=True, **{self._kw: self._cache})
-            if first and self.requested == "auto" and not _croppable(self._cache):
-                self.policy = "recompute"  # e.g. sliding-window / linear-attention layers: cannot roll back
-                self._cache = None
-                self._seq = ids
-            return out.logits[0, -T:].float()
+            if self._cache is None:
+                self._cache = RollbackCache(self.model)
+            return self._cache.forward(ids).logits[0, -T:].float()
         self._seq = ids if self._seq is None else torch.cat([self._seq, ids], dim=1)
         out = self.model(input_ids=self._seq, use_cache=False)
         return out.logits[0, -T:].float()
@@ -103,20 +102,10 @@ class TargetRunner:
     def rollback(self, keep: int) -> None:
         """Keep only the first `keep` tokens of the sequence."""
         if self.policy == "kv":
-            drop = self.length - keep
-            if drop > 0:
-                self._cache.crop(-drop)  # negative: remove that many tokens (transformers >= 4.4x and 5.x)
-            if self.length != keep:
-                raise RuntimeError(f"cache crop left {self.length} tokens, expected {keep}")
+            if self._cache is not None:
+                self._cache.rollback(keep)
         elif self._seq is not None:
             self._seq = self._seq[:, :keep]
-
-
-def _croppable(cache) -> bool:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        return True  # legacy DynamicCache: plain key/value lists
-    return all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
 
 def _sync(device: torch.device) -> None:

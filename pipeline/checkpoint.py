@@ -1,0 +1,233 @@
+"""The target's checkpoint on disk: its weight files, their content hashes, and loading like a serving engine.
+
+Contract:
+- `weight_files(d)` lists a checkpoint's safetensors files (the index's, else every `*.safetensors`).
+- `text_key(name)` maps a checkpoint key to the text-only causal LM's key: `model.language_model.X` -> `model.X`
+  (Qwen3.5/3.6 and other VLM layouts), dense keys unchanged; None for what a text-only target never uses
+  (`model.visual.*`, `mtp.*`).
+- `content_hashes(d)` is the sha256 of each weight file's bytes. A file is read once per machine: the digests are
+  kept in `~/.cache/dflash/weights-sha256.json` ($DFLASH_HASH_CACHE) keyed by real path, size, mtime and inode,
+  so only new or changed files are read again (54 GB at ~1 GB/s the first time, milliseconds after).
+- `load_text_model(d, dtype, device, keep_layers)` builds the text causal LM on the meta device with only the
+  first `keep_layers` decoder layers, then streams each needed tensor from the shards straight to `device`
+  (`safe_open(device=...)`, one shard mapped at a time): no full host copy, no vision tower, no mtp weights,
+  no layer past the deepest one used. Every parameter must come from the checkpoint (a tied head is the
+  embedding); non-persistent buffers (rotary tables) are rebuilt from the config.
+- `read_frozen_head(d, dtype)` reads embed_tokens / lm_head / final norm straight from the checkpoint.
+- `peak_rss_bytes()` is this process's peak resident set (VmHWM), for the loading measurements.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as the target; the message names what is missing."""
+
+
+def weight_files(d: Path) -> list[Path]:
+    d = Path(d)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / n for n in names]
+    return sorted(d.glob("*.safetensors"))
+
+
+def text_key(name: str) -> Optional[str]:
+    if name.startswith(SKIP_PREFIXES):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _tensor_names(d: Path) -> dict[str, Path]:
+    """checkpoint key -> file holding it."""
+    d = Path(d)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        return {k: d / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    out = {}
+    for f in weight_files(d):
+        with safe_open(str(f), "pt") as fh:
+            out.update({k: f for k in fh.keys()})
+    return out
+
+
+# ---- content hashes ----------------------------------------------------------------------------------------
+
+def hash_cache_path() -> Path:
+    if os.environ.get("DFLASH_HASH_CACHE"):
+        return Path(os.environ["DFLASH_HASH_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dflash" / "weights-sha256.json"
+
+
+def _file_key(f: Path) -> str:
+    s = f.stat()
+    return f"{os.path.realpath(f)}|{s.st_size}|{s.st_mtime_ns}|{s.st_ino}"
+
+
+def sha256_file(f: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def content_hashes(d: Path, log=None) -> dict[str, str]:
+    """{file name: sha256 of its bytes} for the checkpoint's weight files, reading only files not seen before
+    (or changed since: another size, mtime or inode)."""
+    cache_file = hash_cache_path()
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    out, changed = {}, False
+    for f in weight_files(d):
+        key = _file_key(f)
+        if key not in cache:
+            if log and f.stat().st_size > 100e6:
+                log(f"hashing {f.name} ({f.stat().st_size / 1e9:.1f} GB; once per file, cached in {cache_file})")
+            cache[key] = sha256_file(f)
+            changed = True
+        out[f.name] = cache[key]
+    if changed:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
+            os.replace(tmp, cache_file)
+        except OSError:
+            pass  # a read-only home: hash again next time, still correct
+    return out
+
+
+# ---- loading -----------------------------------------------------------------------------------------------
+
+def text_config(d: Path, keep_layers: Optional[int] = None):
+    """The text model's config (text_config of a VLM), cut to its first keep_layers layers."""
+    from transformers import AutoConfig
+
+    cfg = copy.deepcopy(AutoConfig.from_pretrained(str(d)).get_text_config())
+    n = int(cfg.num_hidden_layers)
+    if keep_layers is not None and keep_layers < n:
+        cfg.num_hidden_layers = int(keep_layers)
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types)[:keep_layers]
+    return cfg
+
+
+def _device_arg(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return str(device)
+
+
+def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers are not in the checkpoint and were made on the meta device: rebuild the modules
+    that own them (rotary embeddings) from their config, on the CPU, and move the buffers over."""
+    for name, mod in model.named_modules():
+        lost = [b for b, t in mod._buffers.items() if t is not None and t.is_meta]
+        if not lost:
+            continue
+        if not hasattr(mod, "config"):
+            raise CheckpointError(f"cannot rebuild buffers {lost} of {name} ({type(mod).__name__}): no config")
+        fresh = type(mod)(mod.config)
+        for b in lost:
+            mod._buffers[b] = fresh._buffers[b].to(device)
+
+
+def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_layers: Optional[int] = None,
+                    attn_implementation: str = "sdpa") -> nn.Module:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    d = Path(d)
+    cfg = text_config(d, keep_layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    params = dict(model.named_parameters())  # a tied head appears once, as the embedding
+    persistent = {k for k in model.state_dict() if k not in params}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for key, f in _tensor_names(d).items():
+        mk = text_key(key)
+        if mk in params or mk in persistent:
+            by_file.setdefault(f, []).append((key, mk))
+    dev = _device_arg(device)
+    for f, pairs in sorted(by_file.items()):
+        with safe_open(str(f), "pt", device=dev) as fh:  # one shard mapped at a time
+            for key, mk in pairs:
+                owner, _, attr = mk.rpartition(".")
+                mod = model.get_submodule(owner)
+                if mk in params:
+                    t = fh.get_tensor(key).to(params[mk].dtype)
+                    mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+                else:
+                    mod._buffers[attr] = fh.get_tensor(key).to(mod._buffers[attr].dtype)
+    missing = sorted(k for k, p in model.named_parameters() if p.is_meta)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    out_emb = model.get_output_embeddings()
+    if tied and out_emb is not None:
+        out_emb.weight = model.get_input_embeddings().weight
+        missing = sorted(k for k, p in model.named_parameters() if p.is_meta)
+    if missing:
+        raise CheckpointError(f"{d} has no tensors for {len(missing)} parameter(s) of {type(model).__name__}, e.g. "
+                              f"{missing[:4]}; is it a checkpoint of this architecture?")
+    _rebuild_buffers(model, device)
+    if (d / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(str(d))
+    return model.requires_grad_(False).eval()
+
+
+def read_frozen_head(d: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """embed_tokens.weight [V, H], lm_head.weight [V, H] (the embedding when tied) and norm.weight [H] from the
+    checkpoint, as contiguous CPU tensors of `dtype`. Only these tensors are read."""
+    from safetensors import safe_open
+
+    cfg = text_config(d)
+    names = _tensor_names(d)
+    want = {"model.embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "lm_head.weight",
+            "model.norm.weight": "norm.weight"}
+    out = {}
+    for key, f in names.items():
+        mk = text_key(key)
+        if mk in want:
+            with safe_open(str(f), "pt") as fh:
+                out[want[mk]] = fh.get_tensor(key).to(dtype).contiguous()
+    if "embed_tokens.weight" not in out:
+        raise CheckpointError(f"{d} has no embed_tokens weight")
+    if bool(getattr(cfg, "tie_word_embeddings", False)):
+        out["lm_head.weight"] = out["embed_tokens.weight"]  # a tied head is the embedding, never a fresh matrix
+    elif "lm_head.weight" not in out:
+        raise CheckpointError(f"{d} has no lm_head weight and its config does not tie it to the embedding")
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux VmHWM), 0 where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
