@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
-#   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile
+#   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile regen
 #   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
@@ -64,6 +64,9 @@ for part in "$@"; do
       python3 -c "import pstats; s=pstats.Stats('$OUT/tiny_train.prof'); s.sort_stats('tottime').print_stats(30); s.sort_stats('cumulative').print_stats(60)" > "$OUT/tiny_train_prof.txt"
       head -60 "$OUT/tiny_train_prof.txt" ;;
     store) python3 bench/store_bench.py --root /tmp/sb --out "$OUT/store.json" 2>&1 | tail -22 ;;
+    regen)  # dflash regenerate's batched generation vs a per-prompt generate loop, real 27B hybrid layout, one GPU
+      python3 bench/regen_bench.py --prompts ${REGEN_PROMPTS:-64} --loop-prompts ${REGEN_LOOP:-4} \
+        --new-tokens ${REGEN_NEW:-256} --out "$OUT/regen.json" > "$OUT/regen.log" 2>&1; grep -v "^\[transformers\]" "$OUT/regen.log" | tail -9 ;;
     *) echo "unknown part $part" ;;
   esac
 done

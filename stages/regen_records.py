@@ -106,9 +106,28 @@ def regenerate_batch(engine: Any, tokenizer: Any, convs: list[Conversation], set
     rows = []
     for c in convs:
         st = state[c.index]
-        rows.append({"index": c.index, "messages": conversation_of(c, st["responses"]), "tokens": st["tokens"],
+        kept = trainable_prefix(tokenizer, c, st["responses"], settings["enable_thinking"])
+        if len(kept) < len(st["responses"]):
+            st["ended"] = (f"turn {len(kept)}: the chat template rewrites earlier turns (e.g. strips their reasoning), "
+                           f"so ingest cannot place them; kept the first {len(kept)} turn(s)")
+            st["truncated"] = st["truncated"] if st["truncated"] is not None and st["truncated"] < len(kept) else None
+        rows.append({"index": c.index, "messages": conversation_of(c, kept), "tokens": st["tokens"],
                      "truncated": st["truncated"], "ended": st["ended"]})
     return rows
+
+
+def trainable_prefix(tokenizer: Any, conv: Conversation, responses: list[str], enable_thinking: bool) -> list[str]:
+    """The longest prefix of the responses whose conversation ingest can tokenise (a template that rewrites
+    earlier turns, like Qwen3's with thinking on, makes later turns unlocatable; one turn always works)."""
+    from data.ingest import ChatTemplateError, tokenize_conversation
+
+    while len(responses) > 1:
+        try:
+            tokenize_conversation(tokenizer, conversation_of(conv, responses), 1, enable_thinking)
+            return responses
+        except ChatTemplateError:
+            responses = responses[:-1]
+    return responses
 
 
 def read_log(path: Path) -> tuple[list[dict], int, int]:

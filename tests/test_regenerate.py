@@ -131,6 +131,27 @@ def test_limits_truncation_and_prompt_length(tiny):
     assert len(long2["messages"]) == 2 and "turn 1: prompt of" in long2["ended"]
 
 
+def test_multi_turn_kept_only_as_far_as_ingest_can_place_it():
+    """A template that rewrites earlier turns (BROKEN_TEMPLATE abbreviates them, as Qwen3 strips reasoning) makes
+    the later turns of a regenerated conversation unplaceable for ingest: the output keeps the first turn and
+    says why, so `dflash extract` reads every written row."""
+    from data.prompts import Conversation
+    from helpers_tokenizers import broken_template_tokenizer, qwen_style_tokenizer
+    from stages.regen_records import Reply
+
+    class Canned:
+        def generate(self, prompts):
+            return [Reply(text="Hello there", tokens=3) for _ in prompts]
+
+    conv = Conversation(0, 0, "line 1", [[U1 | {"content": "Hi"}], [U2 | {"content": "Good"}]])
+    for tok, turns in ((qwen_style_tokenizer(), 2), (broken_template_tokenizer(), 1)):
+        row = regenerate_batch(Canned(), tok, [conv], _settings(max_prompt_tokens=10_000))[0]
+        assert sum(m["role"] == "assistant" for m in row["messages"]) == turns
+        tokenize_conversation(tok, row["messages"], 10_000, False)  # ingest places every kept turn
+        assert (row["ended"] is None) == (turns == 2)
+        assert turns == 2 or "rewrites earlier turns" in row["ended"]
+
+
 def test_commit_log_cuts_a_torn_tail(tmp_path):
     path = tmp_path / "log.jsonl"
     log = CommitLog(path)
@@ -242,3 +263,18 @@ def test_shipped_configs_show_regenerate_before_extract():
     cfg = load_config(ROOT / "configs" / "qwen3.6-27b.yaml")
     assert cfg.data.train_files[0].endswith("data/regen/train.jsonl")
     assert run_settings(cfg)["max_new_tokens"] == cfg.data.max_length == 3072
+
+
+@pytest.mark.slow
+def test_regen_bench_runs_at_a_tiny_size(tmp_path):
+    """bench/regen_bench.py (the GPU throughput run) on the CPU at a tiny size, so it does not crash on the GPU."""
+    out = tmp_path / "regen.json"
+    r = subprocess.run([sys.executable, "bench/regen_bench.py", "--tiny", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["batched"]["prompts"] == 8 and res["loop"]["prompts"] == 2 and res["new_tokens"] == 16
+    assert res["batched"]["tok_s"] > 0 and res["loop"]["tok_s"] > 0 and res["speedup"] > 0
+    assert "linear attention via" in r.stdout and "batched / loop" in r.stdout
+    if not res["kernels"]["fla"]:  # this machine: the hybrid layers ran on transformers' torch fallbacks
+        assert "chunk_gated_delta_rule" in res["torch_fallbacks_called"]
