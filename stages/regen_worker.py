@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -187,15 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = load_config(a.config or None, a.overrides)
     try:
-        return run_shard(cfg, a.out, a.shard_index, a.shards)
-    except Exception as e:  # noqa: BLE001 - reported to the parent as one line, traceback to the log
-        import traceback
-
-        traceback.print_exc(file=sys.stderr)
-        emit("error", shard=a.shard_index, error=f"{type(e).__name__}: {e}")
-        return 1
+        return run_shard(load_config(a.config or None, a.overrides), a.out, a.shard_index, a.shards)
+    except Exception as e:  # noqa: BLE001 - one line for the parent, the traceback for the shard's log
+        traceback.print_exception(e, file=sys.stderr)
+        return emit("error", shard=a.shard_index, error=f"{type(e).__name__}: {e}") or 1
 
 
 if __name__ == "__main__":

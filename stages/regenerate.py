@@ -237,16 +237,16 @@ def _run_workers(cfg: Config, config_path: Optional[str], overrides: list[str], 
     failed: Optional[int] = None
     try:
         while any(p.poll() is None for p in procs.values()):
-            for i, p in procs.items():
-                if p.poll() not in (None, 0, 143) and failed is None and not interrupted["count"]:
-                    failed = i
-                    _stop_all(procs, exclude=i)
+            if failed is None and not interrupted["count"]:  # the first worker to fail stops the others
+                failed = next((i for i, p in procs.items() if p.poll() not in (None, 0, 143)), None)
+                if failed is not None:
+                    _stop_all(procs, exclude=failed)
             progress.maybe_print()
             time.sleep(0.2)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    for t in readers:
+    for t in readers:  # the last progress lines, before the final count
         t.join(timeout=5)
     progress.maybe_print(force=True)
     codes = {i: p.returncode for i, p in procs.items()}

@@ -6,8 +6,12 @@ embedded engine's greedy reference, a retry on injected 503s, spreading over two
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -16,20 +20,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers_cli import TINY  # noqa: E402
+from helpers_cli import TINY, dflash  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from regen_helpers import END, greedy_conversation, read_jsonl, tiny_model_and_tokenizer, write_prompts  # noqa: E402
+from regen_helpers import (END, ROOT, greedy_conversation, read_jsonl, tiny_model_and_tokenizer,  # noqa: E402
+                           write_prompts)
 from stages.regen_client import base_url  # noqa: E402
-from stages.regen_records import RegenError  # noqa: E402
+from stages.regen_records import RegenError, read_log  # noqa: E402
 from stages.regenerate import run_regenerate  # noqa: E402
 
 
 class TinyServer:
     """/v1/models and /v1/chat/completions answered by the tiny target; `fail` 503s before the next answers."""
 
-    def __init__(self, model, tokenizer, model_id="dflash-tiny-target", fail=0, force_thinking=None, reasoning=False):
+    def __init__(self, model, tokenizer, model_id="dflash-tiny-target", fail=0, force_thinking=None, reasoning=False,
+                 delay=0.0):
         self.model, self.tok, self.model_id = model, tokenizer, model_id
-        self.fail, self.force_thinking, self.reasoning = fail, force_thinking, reasoning
+        self.fail, self.force_thinking, self.reasoning, self.delay = fail, force_thinking, reasoning, delay
         self.requests, self.lock = [], threading.Lock()
         server = self
 
@@ -53,6 +59,7 @@ class TinyServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(server.delay)  # a slower server, so that a test can stop a run midway
                 with server.lock:
                     server.requests.append(body)
                     if server.fail:
@@ -162,3 +169,38 @@ def test_base_url():
     assert base_url("http://h:8000") == base_url("http://h:8000/") == base_url("http://h:8000/v1") == "http://h:8000/v1"
     with pytest.raises(RegenError, match="http"):
         base_url("h:8000")
+
+
+@pytest.mark.slow
+def test_server_run_resumes_after_kill9_and_ctrl_c(tmp_path, tiny):
+    """The CLI with --server in a subprocess: kill -9 mid-run, then Ctrl-C mid-run, then finish: every conversation
+    committed once, and the output equals an uninterrupted run's."""
+    model, tok = tiny
+    server = TinyServer(model, tok, delay=0.1)
+    try:
+        rc, prompts, ref = _run(tmp_path, [server.url], n=24, name="ref")
+        assert rc == 0
+        out = tmp_path / "k"
+        args = [sys.executable, "-m", "pipeline.cli", "regenerate", "--prompts", str(prompts), "--out", str(out),
+                "--server", server.url, *[x for f in FAST for x in ("--set", f)], "--set", "regenerate.concurrency=2"]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        log = out / "work" / "logs" / "server.jsonl"
+        for round_, sig in enumerate([signal.SIGKILL, signal.SIGINT]):
+            p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            deadline = time.time() + 300  # generous: a shared machine; no correctness depends on it
+            while time.time() < deadline and p.poll() is None and len(read_log(log)[0]) < 4 + 6 * round_:
+                time.sleep(0.05)
+            assert p.poll() is None, p.stderr.read()
+            p.send_signal(sig)
+            rc = p.wait(timeout=120)
+            if sig == signal.SIGINT:
+                assert rc == 130 and "resume with the same command" in p.stderr.read()
+        done_before = len(read_log(log)[0])
+        assert 10 <= done_before < 24
+        dflash("regenerate", "--prompts", str(prompts), "--out", str(out), "--server", server.url,
+               *[x for f in FAST for x in ("--set", f)], "--set", "regenerate.concurrency=2")
+    finally:
+        server.close()
+    indices = [row["index"] for rec in read_log(log)[0] for row in rec["rows"]]
+    assert sorted(indices) == list(range(24))  # nothing lost, nothing committed twice
+    assert (out / "chat.jsonl").read_bytes() == (ref / "chat.jsonl").read_bytes()

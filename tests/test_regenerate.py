@@ -179,12 +179,14 @@ def test_regenerate_config_section_is_validated(tmp_path):
 
 
 def test_bad_line_fails_before_any_model_work(tmp_path):
+    from stages.regenerate import run_regenerate
+
     prompts = write_prompts(tmp_path / "p.jsonl", 5)
     with open(prompts, "a") as f:
         f.write('{"messages": [{"role": "user", "content": ""}]}\n')
-    r = dflash("regenerate", "--prompts", str(prompts), "--out", str(tmp_path / "o"), check=False)
-    assert r.returncode == 2 and "p.jsonl, line 6" in r.stderr and "empty content" in r.stderr
-    assert not (tmp_path / "o" / "work" / "logs").exists()  # nothing started
+    with pytest.raises(IngestError, match=r"p\.jsonl, line 6: turn 0 \(user\) has empty content"):
+        run_regenerate(load_config(TINY), TINY, [], [str(prompts)], str(tmp_path / "o"))
+    assert not (tmp_path / "o").exists()  # nothing written, no worker started
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +218,9 @@ def test_cli_output_is_what_extract_reads(reference_run, tiny):
     cfg = load_config(TINY, [f"data.train_files=[{out / 'chat.jsonl'}]", "data.enable_thinking=true"])
     with pytest.raises(IngestError, match="regenerated with enable_thinking=False"):
         ingest(cfg.data, tok)
+    r = dflash("regenerate", "--prompts", str(prompts), "--out", str(out), *SMALL, "--set", "regenerate.seed=3",
+               check=False)  # another run's directory: one line, exit 2, nothing touched
+    assert r.returncode == 2 and "settings.seed: 0 -> 3" in r.stderr and "another --out" in r.stderr
 
 
 def _log_lines(out: Path) -> int:
@@ -278,3 +283,21 @@ def test_regen_bench_runs_at_a_tiny_size(tmp_path):
     assert "linear attention via" in r.stdout and "batched / loop" in r.stdout
     if not res["kernels"]["fla"]:  # this machine: the hybrid layers ran on transformers' torch fallbacks
         assert "chunk_gated_delta_rule" in res["torch_fallbacks_called"]
+
+
+def test_batched_generation_equals_greedy_loop_on_the_hybrid_layout():
+    """The real target's layout (Gated DeltaNet + gated attention, transformers' torch path): left padding in a
+    batch changes no greedy token against one prompt at a time (fp32, random weights, tiny sizes)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from regen_bench import build_qwen3_5
+
+    torch.manual_seed(0)
+    model = build_qwen3_5(layers=4, hidden=64, ffn=128, vocab=256, heads=(4, 2), linear_heads=(2, 4), head_dim=16,
+                          device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    got = generate_ids(model, prompts, 12, {255}, 0)
+    for p, (toks, cut) in zip(prompts, got):
+        assert toks == greedy_loop(model, p, 12, stop=255) and cut == (255 not in toks)
