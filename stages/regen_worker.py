@@ -37,13 +37,22 @@ from stages.extract_worker import StopFlag, emit, plan_batches
 from stages.regen_records import CommitLog, Prompt, Reply, committed_rows, regenerate_batch
 
 
-class _StopOnFlag:
-    """A stopping criterion that ends generate() for every row as soon as the flag is raised."""
+class _Watch:
+    """A stopping criterion: ends generate() for every row once the flag is raised, and every `every` steps
+    reports the tokens generated so far (each row up to its first stop token) to `live`."""
 
-    def __init__(self, should_stop: Callable[[], bool]):
-        self.should_stop = should_stop
+    def __init__(self, should_stop: Callable[[], bool], live: Optional[Callable[[int], None]], width: int,
+                 stop_ids: set[int], every: int = 32):
+        self.should_stop, self.live, self.width, self.every, self.steps = should_stop, live, width, every, 0
+        self.stops = torch.tensor(sorted(stop_ids))
 
     def __call__(self, input_ids, scores, **kwargs):
+        self.steps += 1
+        if self.live is not None and self.steps % self.every == 0:
+            new = input_ids[:, self.width:]
+            hit = torch.isin(new, self.stops.to(new.device))
+            first = torch.where(hit.any(1), hit.int().argmax(1) + 1, new.shape[1])
+            self.live(int(first.sum()))
         return torch.full((input_ids.shape[0],), bool(self.should_stop()), dtype=torch.bool, device=input_ids.device)
 
 
@@ -57,8 +66,10 @@ def neutral_generation_config(stop_ids: set[int], pad_id: int):
 @torch.inference_mode()
 def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, min_new_tokens: int = 0,
-                 should_stop: Optional[Callable[[], bool]] = None) -> Optional[list[tuple[list[int], bool]]]:
-    """Batched generation (see the module contract); None when should_stop() became true."""
+                 should_stop: Callable[[], bool] = lambda: False, live: Optional[Callable[[int], None]] = None,
+                 ) -> Optional[list[tuple[list[int], bool]]]:
+    """Batched generation (see the module contract); None when should_stop() became true. `live(n)` hears the
+    tokens generated so far every 32 steps (progress of long batches)."""
     from transformers import StoppingCriteriaList
 
     device = next(model.parameters()).device
@@ -73,10 +84,10 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop_ids:
     if temperature > 0:
         cfg.temperature, cfg.top_p, cfg.top_k = temperature, top_p, (top_k or None)
         torch.manual_seed(seed)
-    criteria = StoppingCriteriaList([_StopOnFlag(should_stop)]) if should_stop else None
+    criteria = StoppingCriteriaList([_Watch(should_stop, live, width, stop_ids)])
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg,
                          stopping_criteria=criteria)
-    if should_stop is not None and should_stop():
+    if should_stop():
         return None
     result = []
     for row in out[:, width:].tolist():
@@ -89,7 +100,7 @@ class EmbeddedEngine:
     """The regeneration engine on a local transformers model (see the module contract)."""
 
     def __init__(self, model, tokenizer, settings: dict, token_budget: int, max_batch_size: int,
-                 should_stop: Callable[[], bool] = lambda: False, on_tokens: Callable[[int], None] = lambda n: None):
+                 should_stop: Callable[[], bool] = lambda: False, on_tokens: Callable[[int, bool], None] = lambda n, f: None):
         from stages.eval_online import stop_token_ids
 
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
@@ -106,13 +117,13 @@ class EmbeddedEngine:
         for batch in plan_batches(lengths, self.budget, self.max_batch):
             got = generate_ids(self.model, [prompts[m].ids for m in batch.members], s["max_new_tokens"], self.stops,
                                self.pad, s["temperature"], s["top_p"], s["top_k"], prompts[batch.members[0]].seed,
-                               should_stop=self.should_stop)
+                               should_stop=self.should_stop, live=lambda n: self.on_tokens(n, False))
             if got is None:
                 return None
             for m, (toks, cut) in zip(batch.members, got):
                 body = toks[:-1] if toks and toks[-1] in self.stops else toks
                 replies[m] = Reply(self.tokenizer.decode(body, skip_special_tokens=True), len(toks), cut, None, toks)
-            self.on_tokens(sum(len(t) for t, _ in got))
+            self.on_tokens(sum(len(t) for t, _ in got), True)
         return replies
 
 
@@ -134,9 +145,13 @@ def run_shard(cfg: Config, out: str, shard_index: int, num_shards: int) -> int:
     planned = len(todo) + already
     plan = plan_batches([c.length + settings["max_new_tokens"] for c in todo], cfg.regenerate.token_budget,
                         cfg.regenerate.max_batch_size)
-    counts = {"done": already, "tokens": 0}
-    report = lambda: emit("progress", shard=shard_index, done=counts["done"], planned=planned,  # noqa: E731
-                          tokens=counts["tokens"], t=time.time())
+    counts = {"done": already, "tokens": 0, "live": 0, "at": 0.0}  # live: tokens of the batch being generated
+
+    def report() -> None:
+        counts["at"] = time.time()
+        emit("progress", shard=shard_index, done=counts["done"], planned=planned,
+             tokens=counts["tokens"] + counts["live"], t=counts["at"])
+
     report()
     if not plan:
         emit("done", shard=shard_index, already=True)
@@ -149,8 +164,13 @@ def run_shard(cfg: Config, out: str, shard_index: int, num_shards: int) -> int:
     if not cuda and sum(p.numel() for p in model.parameters()) < 100_000_000:
         torch.set_num_threads(1)  # as eval does: small matmuls do not split well, and far worse on a busy machine
 
-    def on_tokens(n: int) -> None:
-        counts["tokens"] += n
+    def on_tokens(n: int, finished: bool) -> None:
+        if finished:
+            counts["tokens"], counts["live"] = counts["tokens"] + n, 0
+        else:
+            counts["live"] = n
+            if time.time() - counts["at"] < 2.0:  # a long batch: a line every 2 s is enough
+                return
         report()
 
     engine = EmbeddedEngine(model, tokenizer, settings, cfg.regenerate.token_budget, cfg.regenerate.max_batch_size,
@@ -158,7 +178,14 @@ def run_shard(cfg: Config, out: str, shard_index: int, num_shards: int) -> int:
     log = CommitLog(work / "logs" / f"shard-{shard_index:05d}.jsonl")
     try:
         for batch in plan:
-            rows = regenerate_batch(engine, tokenizer, [todo[m] for m in batch.members], settings, lambda: stop.stop)
+            try:
+                rows = regenerate_batch(engine, tokenizer, [todo[m] for m in batch.members], settings, lambda: stop.stop)
+            except torch.cuda.OutOfMemoryError as e:
+                raise RuntimeError(
+                    f"out of GPU memory on a batch of {len(batch.members)} conversations (prompts up to "
+                    f"{todo[batch.members[0]].length} tokens, max_new_tokens {settings['max_new_tokens']}); lower "
+                    f"regenerate.token_budget (now {cfg.regenerate.token_budget}) or regenerate.max_batch_size and "
+                    "rerun: committed work is kept, and both may change between attempts") from e
             if rows is None:
                 break
             log.append({"engine": "embedded", "shard": shard_index, "rows": rows})

@@ -89,9 +89,12 @@ def test_batched_generation_equals_greedy_loop(tiny):
     rows = read_jsonl(ROOT / "data" / "assets" / "tiny-chat" / "validation.jsonl")[:10]
     prompts = [render_prompt_ids(tok, split_segments(r["messages"])[0], False) for r in rows]
     assert len({len(p) for p in prompts}) > 3  # really padded
-    got = generate_ids(model, prompts, 64, {END}, 0)
+    live: list[int] = []
+    got = generate_ids(model, prompts, 64, {END}, 0, live=live.append)
     for p, (toks, cut) in zip(prompts, got):
         assert toks == greedy_loop(model, p, 64) and toks[-1] == END and not cut
+    total = sum(len(t) for t, _ in got)
+    assert live and live == sorted(live) and 32 * len(prompts) >= live[-1] > total // 2 and live[-1] <= total
     short = generate_ids(model, prompts[:3], 5, {END}, 0)  # cut at the limit: flagged, no stop token
     assert all(cut and len(t) == 5 and END not in t for t, cut in short)
 
@@ -113,6 +116,27 @@ def test_regenerated_conversations_tokenise_to_the_greedy_continuation(tiny):
         ids, mask = tokenize_conversation(tok, row["messages"], 10_000, False)
         assert ids[mask.astype(bool)].tolist() == ref_tokens
         assert row["tokens"] == len(ref_tokens)
+
+
+def test_sampling_is_seeded_and_recorded_in_requests(tiny):
+    model, tok = tiny
+    from data.prompts import render_prompt_ids
+    from stages.regen_client import ServerEngine
+
+    rows = read_jsonl(ROOT / "data" / "assets" / "tiny-chat" / "validation.jsonl")[:6]
+    prompts = [render_prompt_ids(tok, split_segments(r["messages"])[0], False) for r in rows]
+    kw = dict(temperature=3.0, top_p=0.95, top_k=50)  # flat enough to sample away from greedy
+    a = generate_ids(model, prompts, 20, {END}, 0, seed=1, **kw)
+    assert a == generate_ids(model, prompts, 20, {END}, 0, seed=1, **kw)  # seeded: reproducible
+    assert a != generate_ids(model, prompts, 20, {END}, 0, seed=2, **kw)
+    assert a != generate_ids(model, prompts, 20, {END}, 0)  # not greedy
+    from stages.regen_records import Prompt
+
+    engine = ServerEngine(["http://x/v1"], "m", _settings(temperature=0.6, top_p=0.95, top_k=20), 0, {}, 1.0, 0, 0.0, None)
+    body = engine._payload(Prompt([U1], [1, 2], seed=7))
+    assert (body["temperature"], body["top_p"], body["top_k"], body["seed"], body["max_tokens"]) == (0.6, 0.95, 20, 7, 96)
+    greedy = ServerEngine(["http://x/v1"], "m", _settings(), 0, {}, 1.0, 0, 0.0, None)._payload(Prompt([U1], [1], 7))
+    assert greedy["temperature"] == 0 and "top_k" not in greedy and greedy["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 def test_limits_truncation_and_prompt_length(tiny):
