@@ -137,6 +137,31 @@ def test_server_engine_matches_greedy_with_retries_over_two_servers(tmp_path, ti
         _run(tmp_path, [a.url], extra=["regenerate.temperature=0.5"])
 
 
+def test_manifest_lists_cut_responses_and_skipped_prompts(tmp_path, tiny):
+    model, tok = tiny
+    server = TinyServer(model, tok)
+    try:
+        rc, prompts, out = _run(tmp_path, [server.url], n=6, extra=["regenerate.max_new_tokens=6",
+                                                                     "regenerate.max_prompt_tokens=20"])
+        rc2, _, dropped = _run(tmp_path, [server.url], n=6, name="d", extra=[
+            "regenerate.max_new_tokens=6", "regenerate.max_prompt_tokens=20", "regenerate.keep_truncated=false"])
+    finally:
+        server.close()
+    assert rc == rc2 == 0
+    m = json.loads((out / "manifest.json").read_text())
+    rows = read_jsonl(out / "chat.jsonl")
+    assert m["sampling"]["max_new_tokens"] == 6 and m["max_prompt_tokens"] == 20
+    assert 0 < len(m["skipped_prompts"]) < 6 and all(x["prompt_tokens"] > 20 for x in m["skipped_prompts"])
+    assert len(rows) == 6 - len(m["skipped_prompts"]) == len(m["truncated"])
+    for k, (cut, row) in enumerate(zip(m["truncated"], rows)):  # every answer was cut at 6 tokens, turn 0
+        assert (cut["output"], cut["line"], cut["turn"]) == ("chat.jsonl", k + 1, 0) and "chat.jsonl, line" in cut["source"]
+        assert [x["role"] for x in row["messages"]][-1] == "assistant" and len(tok(row["messages"][-1]["content"],
+                                                                                   add_special_tokens=False)["input_ids"]) == 6
+    d = json.loads((dropped / "manifest.json").read_text())
+    assert (dropped / "chat.jsonl").read_text() == "" and len(d["dropped"]) == len(rows)
+    assert all("keep_truncated=false" in x["reason"] for x in d["dropped"])
+
+
 def test_wrong_model_template_and_reasoning_are_clear_errors(tmp_path, tiny):
     model, tok = tiny
     other = TinyServer(model, tok, model_id="meta-llama/Llama-3.1-8B")
