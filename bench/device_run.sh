@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
-#   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile
+#   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile regen
 #   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
@@ -74,6 +74,9 @@ for part in "$@"; do
       rm -rf /tmp/ckpt35 ;;
     hybridtests) python3 -m pytest -q -m gpu tests/test_hybrid.py -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     store) python3 bench/store_bench.py --root /tmp/sb --out "$OUT/store.json" 2>&1 | tail -22 ;;
+    regen)  # dflash regenerate's batched generation vs a per-prompt generate loop, real 27B hybrid layout, one GPU
+      python3 bench/regen_bench.py --prompts ${REGEN_PROMPTS:-64} --loop-prompts ${REGEN_LOOP:-4} \
+        --new-tokens ${REGEN_NEW:-256} --out "$OUT/regen.json" > "$OUT/regen.log" 2>&1; grep -v "^\[transformers\]" "$OUT/regen.log" | tail -9 ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -110,8 +110,9 @@ def _location(source: str, line_no: int) -> str:
     return f"{source}, row {line_no}" if source.endswith("]") and " [split " in source else f"{source}, line {line_no}"
 
 
-def normalise_messages(row: Any) -> list[dict[str, str]]:
-    """Validate one row and return its normalised messages; raises _BadRow(reason, detail)."""
+def normalise_messages(row: Any, require_assistant: bool = True) -> list[dict[str, str]]:
+    """Validate one row and return its normalised messages; raises _BadRow(reason, detail). With
+    require_assistant=False (prompts) assistant turns may be missing and their content is not checked."""
     if not isinstance(row, dict):
         raise _BadRow("missing messages/conversations", f"the row is a JSON {type(row).__name__}, not an object")
     turns = row.get("messages", row.get("conversations"))
@@ -128,12 +129,15 @@ def normalise_messages(row: Any) -> list[dict[str, str]]:
         content = turn.get("content", turn.get("value"))
         if role not in ROLE_ALIASES:
             raise _BadRow("unknown role", f"turn {k} has role {role!r} (expected one of {', '.join(ROLE_ALIASES)})")
+        if not require_assistant and ROLE_ALIASES[role] == "assistant":
+            messages.append({"role": "assistant", "content": content if isinstance(content, str) else ""})
+            continue
         if not isinstance(content, str):
             raise _BadRow("non-string content", f"turn {k} content is {type(content).__name__}, not a string")
         if not content.strip():
             raise _BadRow("empty content", f"turn {k} ({role}) has empty content")
         messages.append({"role": ROLE_ALIASES[role], "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise _BadRow("no assistant turn", "the conversation has no assistant turn to learn from")
     return messages
 
@@ -175,12 +179,13 @@ def _iter_dataset(path: Path, split: str) -> tuple[str, Iterator[tuple[int, Any]
 
 
 def read_conversations(
-    path: str | Path, on_bad_row: str = "error", *, split: str = "train", report: Optional[IngestReport] = None
+    path: str | Path, on_bad_row: str = "error", *, split: str = "train", report: Optional[IngestReport] = None,
+    require_assistant: bool = True,
 ) -> Iterator[tuple[str, int, list[dict[str, str]]]]:
     """Yield (source, line or row index, normalised messages) for each good row of one input.
 
     `split` picks the DatasetDict split for dataset directories. Bad rows raise IngestError
-    (on_bad_row="error") or are counted in `report.skipped` (on_bad_row="skip").
+    (on_bad_row="error") or are counted in `report.skipped` (on_bad_row="skip"); see normalise_messages.
     """
     path = Path(path)
     report = report if report is not None else IngestReport()
@@ -197,7 +202,7 @@ def read_conversations(
         try:
             if isinstance(row, _BadRow):
                 raise row
-            messages = normalise_messages(row)
+            messages = normalise_messages(row, require_assistant)
         except _BadRow as bad:
             if on_bad_row != "skip":
                 raise IngestError(f"{_location(source, line_no)}: {bad.detail}; {FIX_HINT}") from None
@@ -335,6 +340,9 @@ def ingest(data_cfg: Any, tokenizer: Any) -> tuple[list[Sample], IngestReport]:
     if not data_cfg.train_files:
         raise IngestError("data.train_files is empty; set it in the config or --set data.train_files=[a.jsonl]")
     _check_tokenizer(tokenizer)
+    from data.prompts import check_regenerated  # data written by `dflash regenerate` under another template
+
+    check_regenerated([*data_cfg.validation_files, *data_cfg.train_files], tokenizer, data_cfg.enable_thinking)
     skip = data_cfg.on_bad_row == "skip"
     report = IngestReport(max_length=data_cfg.max_length)
     pending: dict[str, tuple[Optional[str], str, int, list]] = {}

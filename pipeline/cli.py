@@ -49,6 +49,12 @@ def _run(fn, *args, **kwargs) -> None:
     except ImportError:  # pragma: no cover
         pass
     try:
+        from stages.regen_records import RegenError
+
+        user_errors += (RegenError,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
         from pipeline.preflight import PreflightError
         from stages.train import TrainError
 
@@ -112,6 +118,35 @@ def extract(config_path, overrides, shards, gpus, shard_index, store):
 
     cfg = _load(config_path, overrides)
     _run(run_extract, cfg, config_path, list(overrides), shards, _gpu_list(gpus), shard_index, store, _command_line())
+
+
+@main.command()
+@config_option
+@set_option
+@click.option("--prompts", "prompts", multiple=True, required=True, metavar="FILE",
+              help="Prompt file (JSONL messages/conversations or a datasets dir; assistant turns are dropped). "
+                   "Repeatable, or comma-separated.")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Output directory: one JSONL per prompt file + manifest.json (point data.train_files at them).")
+@click.option("--shards", type=int, default=None, help="Embedded engine: worker processes (default: one per visible "
+              "GPU, 1 on CPU).")
+@click.option("--gpus", default=None, help="Embedded engine: GPUs for the shards, e.g. 0,1,2 (default: shard i on GPU i).")
+@click.option("--server", "servers", multiple=True, metavar="URL",
+              help="Use an OpenAI-compatible server (vLLM, SGLang) instead of the embedded engine, e.g. "
+                   "http://localhost:8000. Repeat to spread the load over several servers.")
+def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
+    """Let the target write its own responses to PROMPTS, as training data for its drafter.
+
+    Every assistant turn is regenerated in order, each conditioned on the target's own earlier answers, with
+    the target's chat template and data.enable_thinking, and the sampling settings of the `regenerate:`
+    section (greedy by default). Rerun the same command to resume after a crash or Ctrl-C.
+    """
+    from stages.regenerate import run_regenerate
+
+    cfg = _load(config_path, overrides)
+    servers = tuple(u for s in servers for u in s.split(",") if u.strip())
+    _run(run_regenerate, cfg, config_path, list(overrides), list(prompts), out, shards, _gpu_list(gpus), servers,
+         _command_line())
 
 
 @main.command()

@@ -122,6 +122,26 @@ class EvalConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """`dflash regenerate`: the target writes its own responses to the prompts (stages/regenerate.py)."""
+
+    max_new_tokens: Optional[int] = None  # per response; None: data.max_length, so a response cut here is cut by
+    #                                      extraction's truncation too (no false end of turn); cuts are listed
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int = 0  # sampling seed (per batch embedded, per request with --server)
+    max_batch_size: int = 64  # rows per generate call (embedded engine)
+    token_budget: int = 262144  # rows x (prompt + max_new_tokens) per generate call: bounds the KV cache
+    max_prompt_tokens: Optional[int] = None  # longer prompts are skipped and listed; None: data.max_length
+    keep_truncated: bool = True  # keep responses cut at max_new_tokens (false: drop them and later turns)
+    concurrency: int = 32  # --server: requests in flight per server URL
+    request_timeout: float = 1800.0  # --server: seconds per request
+    retries: int = 6  # --server: attempts after the first, with exponential backoff
+    retry_backoff: float = 1.0  # --server: first wait in seconds (doubles, capped at 60 s)
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -130,6 +150,7 @@ class Config:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     source: str = "<defaults>"  # the file it came from (not a YAML key)
 
     def to_dict(self) -> dict:
@@ -254,10 +275,27 @@ def _validate(cfg: Config) -> None:
     for section, key in positive:
         if getattr(getattr(cfg, section), key) <= 0:
             raise ConfigError(f"{src}: {section}.{key} must be positive")
+    _validate_regenerate(cfg.regenerate, src)
     if not 0.0 <= cfg.data.validation_fraction < 1.0:
         raise ConfigError(f"{src}: data.validation_fraction must be in [0, 1)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:
         raise ConfigError(f"{src}: target.layer_ids must be strictly increasing, got {cfg.target.layer_ids}")
+
+
+def _validate_regenerate(r: RegenerateConfig, src: str) -> None:
+    for key in ("max_batch_size", "token_budget", "concurrency", "request_timeout"):
+        if getattr(r, key) <= 0:
+            raise ConfigError(f"{src}: regenerate.{key} must be positive")
+    for key in ("max_new_tokens", "max_prompt_tokens"):
+        if getattr(r, key) is not None and getattr(r, key) <= 0:
+            raise ConfigError(f"{src}: regenerate.{key} must be positive (or null for data.max_length)")
+    if r.temperature < 0:
+        raise ConfigError(f"{src}: regenerate.temperature must be >= 0 (0 is greedy)")
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError(f"{src}: regenerate.top_p must be in (0, 1]")
+    for key in ("top_k", "retries", "retry_backoff", "seed"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"{src}: regenerate.{key} must be >= 0")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

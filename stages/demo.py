@@ -1,8 +1,10 @@
 """`dflash demo`: the whole pipeline on the embedded tiny target, in-process, in a few minutes on 2 CPU cores.
 
-    ingest -> extract (2 shards) -> train -> export -> offline eval + online eval (speculative vs greedy)
+    regenerate (the target answers the tiny-chat prompts itself) -> ingest -> extract (2 shards) -> train
+    -> export -> offline eval + online eval (speculative vs greedy)
 
-Everything goes under OUT (default runs/demo): OUT/store.zarr, OUT/train (checkpoints, logs, export),
+Everything goes under OUT (default runs/demo): OUT/regen (the regenerated conversations and their
+manifest.json), OUT/store.zarr, OUT/train (checkpoints, logs, export),
 OUT/eval (report.json, plots), OUT/demo.json (the summary printed at the end). Rerunning reuses finished
 stages (extraction resumes, a finished training run is kept); `--fresh` starts over. `--set` overrides
 apply on top of configs/tiny.yaml and the demo's own settings (DEMO_OVERRIDES), e.g. --set train.epochs=2.
@@ -17,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from data.prompts import output_names
 from pipeline.config import CONFIGS_DIR, load_config
 
 # The tiny config as shipped, with the store and the run under OUT, and a shorter schedule for a CPU demo.
@@ -38,6 +41,7 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
              command: str = "dflash demo") -> int:
     from stages.evaluate import run_eval
     from stages.extract import run_extract
+    from stages.regenerate import run_regenerate
     from stages.train import run_train
 
     out_dir = Path(out)
@@ -52,7 +56,23 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
     times: dict[str, float] = {}
     t_start = time.perf_counter()
 
-    log(f"demo [1/4] ingest + extract: target {cfg.target.path}, {cfg.extract.shards} shards -> {store}")
+    regen = out_dir / "regen"
+    prompts = [*cfg.data.train_files, *cfg.data.validation_files]
+    log(f"demo [1/5] regenerate: the target answers the prompts of {', '.join(Path(f).name for f in prompts)} "
+        f"itself ({cfg.extract.shards} shards) -> {regen}")
+    rc = run_regenerate(cfg, config_path, all_overrides, prompts, str(regen), shards=cfg.extract.shards,
+                        command=command)
+    times["regenerate"] = time.perf_counter() - t_start
+    if rc:
+        log(f"demo: regeneration stopped (exit {rc}); rerun `{command}` to resume")
+        return rc
+    names = [str(regen / n) for n in output_names(prompts)]  # one output per prompt file, in order
+    n_train = len(cfg.data.train_files)
+    all_overrides += [f"data.train_files=[{','.join(names[:n_train])}]",
+                      f"data.validation_files=[{','.join(names[n_train:])}]"]
+    cfg = load_config(config_path, all_overrides)
+
+    log(f"demo [2/5] ingest + extract: target {cfg.target.path}, {cfg.extract.shards} shards -> {store}")
     t0 = time.perf_counter()
     rc = run_extract(cfg, config_path, all_overrides, cfg.extract.shards, None, None, store, command)
     times["extract"] = time.perf_counter() - t0
@@ -64,10 +84,10 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
     summary_path = run_dir / "summary.json"
     t0 = time.perf_counter()
     if summary_path.exists() and (export / "model.safetensors").exists():
-        log(f"demo [2/4] train: reusing the finished run in {run_dir} (--fresh to retrain)")
+        log(f"demo [3/5] train: reusing the finished run in {run_dir} (--fresh to retrain)")
     else:
         resume = (run_dir / "checkpoints" / "last.ckpt").exists()
-        log(f"demo [2/4] train{' (resuming)' if resume else ''}: {cfg.train.epochs} epochs, drafter "
+        log(f"demo [3/5] train{' (resuming)' if resume else ''}: {cfg.train.epochs} epochs, drafter "
             f"{cfg.drafter.num_hidden_layers} layers x {cfg.drafter.hidden_size}, block {cfg.drafter.block_size} "
             f"-> {run_dir}")
         rc = run_train(cfg, store, None, None, resume, command, export=True)
@@ -75,9 +95,9 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
             return rc
     times["train"] = time.perf_counter() - t0
 
-    log(f"demo [3/4] export: {export}")
+    log(f"demo [4/5] export: {export}")
     eval_dir = out_dir / "eval"
-    log(f"demo [4/4] eval (offline on the store's validation split, online against the target) -> {eval_dir}")
+    log(f"demo [5/5] eval (offline on the store's validation split, online against the target) -> {eval_dir}")
     t0 = time.perf_counter()
     code = run_eval(str(export), config_path=None, overrides=list(overrides), store=store, online=True,
                     out=str(eval_dir))
@@ -87,7 +107,7 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
     report = json.loads((eval_dir / "report.json").read_text())
     off, on = report.get("offline", {}), report.get("online", {})
     summary = {
-        "store": store, "run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "regenerated": str(regen), "store": store, "run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "export": str(export), "report": str(eval_dir / "report.json"),
         "plots": [str(eval_dir / p) for p in report.get("plots", [])],
         "offline_tau": off.get("tau"), "offline_serving_walk_tau": (off.get("serving_walk") or {}).get("tau"),
@@ -100,8 +120,9 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
     gap = on.get("tau", float("nan")) / walk - 1.0 if walk == walk and walk else float("nan")
     lines = [
         "",
-        "dflash demo: done in {:.0f} s (extract {:.0f} s, train {:.0f} s, eval {:.0f} s)".format(
-            times["total"], times["extract"], times["train"], times["eval"]),
+        "dflash demo: done in {:.0f} s (regenerate {:.0f} s, extract {:.0f} s, train {:.0f} s, eval {:.0f} s)".format(
+            times["total"], times["regenerate"], times["extract"], times["train"], times["eval"]),
+        f"  regenerated  {regen}  (the target's own answers; provenance in manifest.json)",
         f"  store        {store}",
         f"  run          {run_dir}  (logs/metrics.csv, checkpoints/last.ckpt)",
         f"  export       {export}  (serve it, or `dflash eval {export} --online`)",
