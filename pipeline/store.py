@@ -502,18 +502,26 @@ def samples_in_rows(cols: Optional[dict], name: str, r0: int, r1: int, committed
     """Which samples of a shard rows [r0, r1) of array `name` hold, for an error message."""
     if name in SAMPLE_ARRAYS:
         lo, hi = r0, min(r1, committed)
-    elif cols is not None:
+    elif cols is not None and "sample_start" in cols and "sample_length" in cols:
         ends = cols["sample_start"] + cols["sample_length"]
         lo, hi = int(np.searchsorted(ends, r0, side="right")), int(np.searchsorted(cols["sample_start"], r1))
     else:
         return "samples unknown (the per-sample arrays were not read)"
     if hi <= lo:
         return "no committed sample"
-    text = f"{hi - lo} sample(s), shard positions {lo}..{hi - 1}"
-    if cols is not None and "sample_id" in cols:
+    text = f"1 sample, shard position {lo}" if hi - lo == 1 else f"{hi - lo} samples, shard positions {lo}..{hi - 1}"
+    if cols is not None and "sample_id" in cols and name != "sample_id":
         ids = [f"{int(x):016x}" for x in cols["sample_id"][lo : min(hi, lo + 3)]]
         text += f", sample ids {', '.join(ids)}" + (f" and {hi - lo - 3} more" if hi - lo > 3 else "")
     return text
+
+
+def decode_error(e: Exception) -> str:
+    """A chunk read failure, briefly (zarr's checksum error goes on to print both checksums' bytes)."""
+    text = str(e).split(". ")[0]
+    if "checksum" in text:
+        return "its crc32c checksum does not match: the file was changed or damaged"
+    return f"{type(e).__name__}: {text[:120]}; the file is damaged"
 
 
 def damage_message(path: str, shard: int, name: str, c: int, rows: int, what: str, samples: str) -> str:
@@ -558,9 +566,9 @@ class StoreReader:
             if n == 0:
                 continue
             cols: dict[str, np.ndarray] = {}
-            for k in SAMPLE_ARRAYS:
+            self._columns[i] = cols
+            for k in ("sample_id", *SAMPLE_ARRAYS):  # ids first: an error in another array can name them
                 cols[k] = self.read_rows(i, k, 0, n)
-                self._columns[i] = cols
             refs.extend(SampleRef(i, int(s), int(l), int(d), int(sp)) for s, l, d, sp in
                         zip(cols["sample_start"], cols["sample_length"], cols["sample_id"], cols["split"]))
         missing = [i for i, p in self.progress.items() if not p.done]
@@ -602,8 +610,7 @@ class StoreReader:
             out = arr[start:stop]
         except Exception as e:  # noqa: BLE001 - crc32c mismatch, undecodable or unreadable chunk
             c = next((c for c in range(start // rows, (stop - 1) // rows + 1) if not _readable(arr, c)), start // rows)
-            raise self._damage(shard, name, c, rows, f"cannot be decoded ({type(e).__name__}: {e}): its checksum "
-                               "does not match or its file is damaged") from None
+            raise self._damage(shard, name, c, rows, f"cannot be decoded ({decode_error(e)})") from None
         if len(out) != stop - start:
             c = arr.shape[0] // rows
             raise self._damage(shard, name, c, rows, f"is cut off: the array ends at row {arr.shape[0]} but rows up "
