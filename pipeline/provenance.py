@@ -116,7 +116,7 @@ def check_frozen_head(store_path: str) -> None:
         raise st.StoreDataError(f"{problem}; `dflash verify {store_path}` checks the whole store")
 
 
-def target_differences(target_path: str, stored_target: dict, out=sys.stderr) -> list[str]:
+def target_differences(target_path: str, stored_target: dict, out=None) -> list[str]:
     """One line per fingerprint field where the checkpoint at `target_path` differs from the store's target.
 
     Only a local directory is fingerprinted (training must not download or need the target): otherwise one
@@ -130,7 +130,7 @@ def target_differences(target_path: str, stored_target: dict, out=sys.stderr) ->
         print(f"train: target.path {target_path!r} is not a readable local checkpoint here, so the store's target "
               "fingerprint is not compared" + ("" if same else f" (the store was extracted from "
                                                f"{stored_target.get('path')!r}; names and shapes are compared)"),
-              file=out)
+              file=out or sys.stderr)
         return []
     from pipeline.target import target_fingerprint
 

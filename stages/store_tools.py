@@ -199,8 +199,7 @@ def _verify_shard(path: str, i: int, g, p: st.Progress, attrs: dict, ids_seen: s
 
     def damage(k: str, c: int, what: str) -> None:
         R = arrays[k].chunks[0]
-        samples = st.samples_in_rows(cols if len(cols) == 4 else None, k, c * R, (c + 1) * R,
-                                     T if k in token_arrays else n)
+        samples = st.samples_in_rows(cols, k, c * R, (c + 1) * R, T if k in token_arrays else n)
         problems.append(f"shard {i}: array {k}, chunk {c} (rows {c * R}..{(c + 1) * R - 1}) {what}; it holds {samples}")
 
     legacy_zero = sorted({k for k, c in absent if k in st.MAYBE_EMPTY and not p.every_chunk})
@@ -223,11 +222,11 @@ def _verify_shard(path: str, i: int, g, p: st.Progress, attrs: dict, ids_seen: s
                 try:
                     a[c * R : min((c + 1) * R, r1)]
                 except Exception as e:  # noqa: BLE001 - crc32c mismatch, damaged file
-                    damage(k, c, f"cannot be decoded ({type(e).__name__}: {e}): checksum mismatch or damaged file")
+                    damage(k, c, f"cannot be decoded ({st.decode_error(e)})")
             return None
         return None if missing else data
 
-    for k in st.SAMPLE_ARRAYS:
+    for k in ("sample_id", "sample_start", "sample_length", "split"):  # ids first: the others' errors name them
         data = read(k, 0, n) if n else arrays[k][0:0]
         if data is not None:
             cols[k] = data
