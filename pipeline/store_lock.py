@@ -323,6 +323,17 @@ def acquire_all(store: str, indices: list[int], command: str) -> list[ShardLock]
     return locks
 
 
+def refuse_if_held(store: str, indices: list[int]) -> None:
+    """Raise ShardLockedError if a live process holds one of these shards: a cheap early look, before a run
+    spends minutes on its set-up (`acquire_all` is what guarantees one writer)."""
+    if not st.exists(store):
+        return
+    for i in sorted(indices):
+        rec = holder(store, i)
+        if rec is not None and rec["live"]:
+            raise ShardLockedError(describe(rec, store, i))
+
+
 def holder(store: str, index: int) -> Optional[dict]:
     """The record of shard `index`'s lock with "live": bool added, or None when unlocked."""
     rec = _parse(_FS(store).read(lock_path(store, index)))

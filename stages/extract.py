@@ -189,6 +189,9 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
         raise ExtractError(f"--shards {num_shards}: the number of shards must be at least 1")
     if shard_index is not None and not 0 <= shard_index < num_shards:
         raise ExtractError(f"--shard-index {shard_index} is out of range for --shards {num_shards}")
+    from pipeline.store_lock import acquire_all, refuse_if_held
+
+    refuse_if_held(store_path, [shard_index] if shard_index is not None else list(range(num_shards)))  # before ingest
     tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
     samples, report = ingest(cfg.data, tokenizer)  # raises on bad rows before any worker starts
     print(report.summary(), file=sys.stderr)
@@ -201,8 +204,6 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
             print(f"extract: nothing to do, the store at {store_path} is already complete for shard(s) {todo}", file=sys.stderr)
             return 0
         todo = todo[:1]  # a finished shard's worker writes the missing frozen head and stops
-    from pipeline.store_lock import acquire_all
-
     locks = {lk.index: lk for lk in acquire_all(store_path, todo, command)}  # refused at once if another run holds one
     procs: dict[int, subprocess.Popen] = {}
     try:

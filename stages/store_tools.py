@@ -232,25 +232,38 @@ def _verify_shard(path: str, i: int, g, p: st.Progress, attrs: dict, ids_seen: s
             cols[k] = data
     if len(cols) == 4 and n:
         starts, lengths, sids = cols["sample_start"], cols["sample_length"], cols["sample_id"]
-        if starts[0] != 0 or np.any(starts[1:] != starts[:-1] + lengths[:-1]) or starts[-1] + lengths[-1] != T:
-            problems.append(f"shard {i}: sample offsets are not contiguous or do not add up to {T} tokens")
-        if len(sids) - len(set(sids.tolist())) or ids_seen.intersection(sids.tolist()):
-            problems.append(f"shard {i}: duplicate sample ids")
+        expected = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # [n + 1]
+        off = np.flatnonzero(starts != expected[:-1])
+        if off.size or expected[-1] != T:
+            j = int(off[0]) if off.size else n - 1
+            damage("sample_start" if off.size else "sample_length", j // arrays["sample_start"].chunks[0],
+                   f"holds offsets that are not contiguous or do not add up to the {T} committed tokens "
+                   f"(first at sample position {j})")
+        _, first = np.unique(sids, return_index=True)
+        dup = sorted(set(range(n)) - set(first.tolist())) or [j for j, x in enumerate(sids.tolist()) if x in ids_seen]
+        if dup:
+            damage("sample_id", dup[0] // arrays["sample_id"].chunks[0],
+                   f"repeats sample id {int(sids[dup[0]]):016x} (at sample position {dup[0]})")
         ids_seen.update(sids.tolist())
     block = math.lcm(*(arrays[k].chunks[0] for k in token_arrays))
-    checked, flagged = 0, False
+    checked, flagged = 0, set()  # each kind of bad value is reported once per shard (its first chunk)
     for t0 in range(0, T, block):
         t1 = min(T, t0 + block)
         data = {k: read(k, t0, t1) for k in token_arrays}
-        if any(v is None for v in data.values()) or flagged:
+        if any(v is None for v in data.values()):
             continue
         toks = data["tokens"]
-        if toks.size and (toks.min() < 0 or toks.max() >= vocab):
-            problems.append(f"shard {i}: token ids out of range [0, {vocab}) in rows {t0}..{t1 - 1}")
-            flagged = True
+        out_of_range = np.flatnonzero((toks < 0) | (toks >= vocab))
+        if out_of_range.size and "tokens" not in flagged:
+            damage("tokens", (t0 + int(out_of_range[0])) // arrays["tokens"].chunks[0],
+                   f"holds token ids outside the vocabulary [0, {vocab}) (first at row {t0 + int(out_of_range[0])})")
+            flagged.add("tokens")
         x = decode({k: from_storage(data[k]) for k in part_names(enc)}, enc, torch.float32)
-        if not torch.isfinite(x).all():
-            problems.append(f"shard {i}: non-finite features in rows {t0}..{t1 - 1}")
-            flagged = True
+        nonfinite = torch.nonzero(~torch.isfinite(x).flatten(1).all(dim=1)).flatten()
+        if nonfinite.numel() and "features" not in flagged:
+            row = t0 + int(nonfinite[0])
+            damage("features", row // arrays["features"].chunks[0], f"decodes to non-finite values (first at row {row}"
+                   + (", with its scales/outliers)" if enc != "bf16" else ")"))
+            flagged.add("features")
         checked += t1 - t0
     return checked

@@ -130,6 +130,23 @@ def test_damaged_chunk_stops_the_loader_and_verify_names_it(copy, name, kind):
     assert rc == 1 and f"shard 0: array {name}, chunk {c} " in out, out
 
 
+def test_verify_names_the_chunk_of_values_that_cannot_be_right(copy):
+    """Chunks that decode fine but hold impossible values (written with a valid checksum)."""
+    import zarr
+
+    g = zarr.open_group(copy, mode="a")[st.shard_name(0)]
+    g["tokens"][130] = VOCAB + 3  # tokens chunk 1 (128 rows per chunk)
+    g["scales"][70] = np.float16("nan")  # features chunk 8 (8 rows per chunk) decodes to NaN
+    g["sample_id"][7] = g["sample_id"][2]
+    g["sample_length"][4] += 1
+    rc, out = _verify(copy)
+    assert rc == 1, out
+    assert f"shard 0: array tokens, chunk 1 (rows 128..255) holds token ids outside the vocabulary [0, {VOCAB})" in out
+    assert "shard 0: array features, chunk 8 (rows 64..71) decodes to non-finite values (first at row 70" in out
+    assert "shard 0: array sample_id, chunk 0 (rows 0..8191) repeats sample id 0000000000000003 (at sample position 7)" in out
+    assert "shard 0: array sample_start, chunk 0 (rows 0..8191) holds offsets that are not contiguous" in out
+
+
 def test_a_damaged_chunk_read_in_a_loader_worker_is_one_clear_error(copy):
     _chunk(copy, "features", 2).unlink()
     ds = StoreDataset(copy, list(range(12)), num_anchors=8, seed=0)
@@ -186,6 +203,29 @@ def test_frozen_head_checksum_catches_a_flipped_byte_and_a_nan(copy):
     head.write_bytes(good)
     with pytest.raises(st.StoreDataError, match="sha256 is missing"):
         check_frozen_head(copy)
+
+
+def test_a_store_from_before_the_checksums_stays_readable(copy):
+    """schema_version 1 as the previous dflash wrote it: no checksums, and all-zero chunks not stored."""
+    root, shard = Path(copy) / "zarr.json", Path(copy) / st.shard_name(0) / "zarr.json"
+    doc = json.loads(root.read_text())
+    del doc["attributes"][st.INTEGRITY_ATTR]
+    root.write_text(json.dumps(doc))
+    doc = json.loads(shard.read_text())
+    del doc["attributes"][st.PROGRESS_SHA], doc["attributes"]["progress"]["every_chunk"]
+    shard.write_text(json.dumps(doc))
+    Path(st.frozen_head_path(copy) + ".sha256").unlink()
+    _chunk(copy, "split", 0).unlink()  # all "train": the old writer did not store it
+    _chunk(copy, "loss_mask", 0).unlink()  # the 300-token prompt: all zero
+    _read_all(copy)
+    assert st.StoreReader(copy).read(0)["loss_mask"].sum() == 20
+    check_frozen_head(copy)
+    rc, out = _verify(copy)
+    assert rc == 0 and "written before dflash recorded checksums" in out
+    assert "2 chunk(s) of ['loss_mask', 'split'] not stored" in out
+    _chunk(copy, "features", 1).unlink()  # an array that is never all zero: damage, even in an old store
+    with pytest.raises(st.StoreDataError, match="array features, chunk 1 .* is missing"):
+        _read_all(copy)
 
 
 def test_stale_partial_files_are_reported_and_removed_on_resume(tmp_path):
