@@ -60,7 +60,9 @@ def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int],
 
     head = {n: (torch.randn(vocab, H, device=DEV, generator=g) * 0.02).to(torch.bfloat16).cpu()
             for n in ("embed_tokens.weight", "lm_head.weight")}
-    st.write_bytes_atomic(st.frozen_head_path(str(path)), save(head, metadata={"tie_word_embeddings": "false"}))
+    from pipeline.provenance import write_frozen_head
+
+    write_frozen_head(str(path), save(head, metadata={"tie_word_embeddings": "false"}))  # with its checksum
 
 
 def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str) -> dict:

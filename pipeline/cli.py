@@ -19,12 +19,31 @@ DEFAULT_CONFIG = str(CONFIGS_DIR / "tiny.yaml")
 
 
 def _gpu_list(value: Optional[str]) -> Optional[list[int]]:
+    """--gpus as indices; an error for a malformed list, and for GPUs this machine does not have (saying
+    what it has): asking for a GPU never silently runs on the CPU."""
     if value is None or value == "":
         return None
     try:
-        return [int(x) for x in value.split(",") if x.strip() != ""]
+        gpus = [int(x) for x in value.split(",") if x.strip() != ""]
     except ValueError:
-        raise click.BadParameter(f"{value!r}: expected comma-separated GPU indices such as 0,1,2") from None
+        raise click.BadParameter(f"{value!r}: expected comma-separated GPU indices such as 0,1,2",
+                                 param_hint="'--gpus'") from None
+    if any(g < 0 for g in gpus):
+        raise click.BadParameter(f"{value!r}: GPU indices are 0 or more", param_hint="'--gpus'")
+    import os
+
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    if not found:
+        raise click.BadParameter(f"{value!r}: this machine has no usable CUDA GPU (torch {torch.__version__} finds "
+                                 f"none{where}); leave --gpus out to run on the CPU", param_hint="'--gpus'")
+    if max(gpus) >= found:
+        raise click.BadParameter(f"{value!r}: torch finds {found} GPU(s) here, indices 0..{found - 1}{where}",
+                                 param_hint="'--gpus'")
+    return gpus
 
 
 def _command_line() -> str:
@@ -103,9 +122,11 @@ def main() -> None:
 @main.command()
 @config_option
 @set_option
-@click.option("--shards", type=int, default=None, help="Number of data-parallel shards (default: extract.shards).")
+@click.option("--shards", type=click.IntRange(min=1), default=None,
+              help="Number of data-parallel shards (default: extract.shards).")
 @click.option("--gpus", default=None, help="GPUs for the shards, e.g. 0,1,2,3,4 (default: shard i on GPU i).")
-@click.option("--shard-index", type=int, default=None, help="Run only this shard (for a scheduler or another node).")
+@click.option("--shard-index", type=click.IntRange(min=0), default=None,
+              help="Run only this shard (for a scheduler or another node).")
 @click.option("--store", default=None, help="Store path or fsspec URL (default: store.path).")
 def extract(config_path, overrides, shards, gpus, shard_index, store):
     """Stage one: run the target over the data and write hidden states to the store.
@@ -153,7 +174,8 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @config_option
 @set_option
 @click.option("--gpus", default=None, help="GPUs for the DDP ranks, e.g. 5,6,7 (one process per GPU).")
-@click.option("--devices", type=int, default=None, help="Without GPUs: number of CPU processes (gloo DDP).")
+@click.option("--devices", type=click.IntRange(min=1), default=None,
+              help="Without GPUs: number of CPU processes (gloo DDP).")
 @click.option("--store", default=None, help="Store path or URL (default: store.path).")
 @click.option("--resume", is_flag=True, help="Continue from RUN/checkpoints/last.ckpt (step, optimiser, data position).")
 @click.option("--no-export", is_flag=True, help="Skip exporting the drafter at the end.")
@@ -217,7 +239,7 @@ def verify(store):
 @click.argument("dst")
 @click.option("--encoding", required=True, type=click.Choice(list(ENCODINGS)),
               help="Feature encoding of DST (see pipeline/encoding.py; int5 is the studied default trade-off).")
-@click.option("--clevel", type=int, default=None, help="zstd level of DST (default: SRC's).")
+@click.option("--clevel", type=click.IntRange(0, 9), default=None, help="zstd level of DST (default: SRC's).")
 @click.option("--device", default=None, help="cpu or cuda[:i] for decoding/encoding (default: cuda when available).")
 def recode(src, dst, encoding, clevel, device):
     """Convert a finished store SRC to another feature encoding in DST, without the target. Resumable."""
@@ -238,9 +260,9 @@ def recode(src, dst, encoding, clevel, device):
 @click.option("--device", default=None, help="cpu or cuda[:i] (default: cuda when available).")
 @click.option("--cache", type=click.Choice(["auto", "kv", "recompute"]), default="auto", show_default=True,
               help="Target KV-cache policy of both greedy and speculative decoding (online).")
-@click.option("--max-samples", type=int, default=1000, show_default=True,
+@click.option("--max-samples", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Offline: at most this many validation samples of the store.")
-@click.option("--threads", type=int, default=None,
+@click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Online on CPU: torch threads while decoding (default: 1 for targets under 100M parameters).")
 def eval_(drafter, config_path, overrides, store, online, out, device, cache, max_samples, threads):
     """Measure a drafter (exported directory or training checkpoint): acceptance length tau offline from the

@@ -2,9 +2,12 @@
 
 Layout (Zarr v3, zarr-python 3), `schema_version` 1:
 
-    STORE/zarr.json                 root group; attrs["dflash"] = provenance (see `make_provenance`)
+    STORE/zarr.json                 root group; attrs["dflash"] = provenance (stages/extract.py: build_provenance),
+                                    attrs["dflash_integrity"] = {version, provenance_sha256}
     STORE/frozen_head.safetensors   the target's embed_tokens / lm_head / final norm (frozen, for training)
-    STORE/shards/NNNNN/             one group per extract shard, written ONLY by that shard's worker
+    STORE/frozen_head.safetensors.sha256   {"sha256", "bytes"} of that file (pipeline.provenance)
+    STORE/locks/shard-NNNNN.lock    the lock of a shard being written (pipeline.store_lock); absent otherwise
+    STORE/shards/NNNNN/             one group per extract shard, written ONLY by the holder of its lock
         tokens     int32  [T]          token ids, all samples of the shard back to back (token-major)
         loss_mask  uint8  [T]          1 = supervised (assistant) token
         features   [T, L, ...]         the encoded features; with the other parts of the store's encoding
@@ -14,22 +17,41 @@ Layout (Zarr v3, zarr-python 3), `schema_version` 1:
         sample_length int32 [N]
         sample_id     uint64 [N]       the ingest's content hash (16 hex digits)
         split         uint8 [N]        0 = train, 1 = validation
-      attrs["progress"] = {committed_batches, committed_samples, committed_tokens, done, ...}
+      attrs["progress"] = {committed_batches, committed_samples, committed_tokens, done, every_chunk, ...}
+      attrs["progress_sha256"] = sha256 of that record
 
 Contract:
 - Ragged samples are flat token-major arrays plus per-sample start/length; L = len(layer_ids), H = hidden.
 - Every array is chunked along its first axis, blosc(zstd, byte shuffle) then a crc32c checksum per chunk,
-  so corruption is detected on read. zarr writes each chunk to a temporary file and renames it, so a
-  killed writer never leaves a torn chunk behind.
-- Concurrency: a shard's group is created and written only by its own worker; the parent writes only the
-  root. No two processes ever write the same chunk, and there is no shared resize or append.
-- Commit protocol: a worker resizes its arrays, writes a batch's chunks, and only then updates
-  attrs["progress"] (one atomic metadata write). Readers and resume trust `progress`, never array shapes:
-  rows past `committed_tokens` are garbage from an interrupted batch and are overwritten on resume.
+  so corruption is detected on read. zarr writes each chunk to a temporary `*.partial` file and renames
+  it, so a killed writer never leaves a torn chunk behind (a resumed shard deletes its stale `*.partial`
+  files; `dflash verify` lists any). Every chunk is stored, even an all-zero one (`write_empty_chunks`;
+  progress["every_chunk"] says a shard was written so), so an absent chunk is always damage.
+- One writer per shard, enforced: a `ShardWriter` holds the shard's lock file (host, pids, heartbeat;
+  pipeline/store_lock.py) or adopts the one its parent holds for it. A second writer is refused at once,
+  naming the holder's host and pid. A lock whose processes died (same machine) or whose heartbeat
+  expired (another machine, default 120 s) is taken over without manual cleanup. `dflash extract` takes
+  the locks of all the shards it runs before starting any worker, so two parents never share a shard.
+- Commits only grow a shard: before writing, a writer checks that it still holds the lock and that the
+  on-disk progress record is the one it last committed, else it stops without writing; arrays are only
+  ever resized up (and trimmed to the committed rows when the shard finishes).
+- Commit protocol: a worker grows its arrays, writes a batch's chunks, and only then updates
+  attrs["progress"] with its checksum (one atomic metadata write). Readers and resume trust `progress`,
+  never array shapes: rows past `committed_tokens` are garbage from an interrupted batch, overwritten on
+  resume.
+- Reads are checked (`StoreReader.read_rows`, the one read path of training, eval and recode): the first
+  read of each chunk checks that its file exists (remembered, one stat per chunk per reader), a decode
+  failure (crc32c mismatch, damaged file) or a short read is caught, and either raises `StoreDataError`
+  naming the store, shard, array, chunk and the samples it holds, and saying to run `dflash verify`. No
+  caller ever sees zarr's fill value for a committed row. Opening a store checks the provenance and every
+  progress record against their checksums; training also checks the frozen head's.
+- Stores written before these checksums (no "dflash_integrity" attribute) stay readable: their missing
+  checksums are reported by `dflash verify` as notes, and since they did not store all-zero chunks, an
+  absent loss_mask, split or sample_start chunk is read as zeros there (any other absent chunk is damage).
 """
-
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -45,10 +67,33 @@ FROZEN_HEAD_FILE = "frozen_head.safetensors"
 SHARDS_GROUP = "shards"
 SPLITS = {"train": 0, "validation": 1}
 SAMPLE_CHUNK = 8192  # rows per chunk of the per-sample arrays
+SAMPLE_ARRAYS = ("sample_start", "sample_length", "sample_id", "split")
+INTEGRITY_ATTR = "dflash_integrity"  # root attribute: {"version": 1, "provenance_sha256": ...}
+PROGRESS_SHA = "progress_sha256"  # shard attribute beside "progress"
+# arrays that can hold all-zero chunks, which stores written before "every_chunk" did not store
+MAYBE_EMPTY = ("loss_mask", "split", "sample_start")
 
 
 class StoreError(RuntimeError):
     """A store that cannot be used as asked; the message says what is wrong and what to do."""
+
+
+class StoreDataError(StoreError):
+    """Missing or damaged data found where it was read; the message names store, shard, array, chunk, samples."""
+
+    def __init__(self, message: str):
+        # a DataLoader worker's error reaches the training process re-raised as
+        # StoreDataError("Caught StoreDataError in DataLoader worker ... Original Traceback ... StoreDataError: MSG"):
+        # keep MSG, so the command prints one clear error and not a traceback
+        marker = f"{type(self).__name__}: "
+        if "Original Traceback" in message and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
+
+
+def digest(obj: Any) -> str:
+    """sha256 of an attribute value's canonical JSON (what a round trip through zarr.json preserves)."""
+    return hashlib.sha256(dumps(obj).encode()).hexdigest()
 
 
 def shard_name(index: int) -> str:
@@ -97,8 +142,9 @@ def exists(path: str) -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def read_root_attrs(path: str) -> Optional[dict]:
-    """The store's `dflash` attrs, None if the path does not exist; StoreError if it is not a dflash store."""
+def read_root_attrs(path: str, check: bool = True) -> Optional[dict]:
+    """The store's `dflash` attrs, None if the path does not exist; StoreError if it is not a dflash store,
+    StoreDataError if (check) the provenance does not match its recorded checksum."""
     if not exists(path):
         return None
     zarr = _zarr()
@@ -109,7 +155,8 @@ def read_root_attrs(path: str) -> Optional[dict]:
             f"{path} exists but is not a dflash store (not a Zarr v3 group: {type(e).__name__}: {e}); "
             "choose another --store path or remove it"
         ) from None
-    attrs = dict(root.attrs).get("dflash")
+    root_attrs = dict(root.attrs)
+    attrs = root_attrs.get("dflash")
     if not isinstance(attrs, dict) or "schema_version" not in attrs:
         raise StoreError(f"{path} is a Zarr group but not a dflash store (no 'dflash' attributes); choose another path")
     if attrs["schema_version"] != SCHEMA_VERSION:
@@ -117,7 +164,22 @@ def read_root_attrs(path: str) -> Optional[dict]:
             f"{path} has store schema_version {attrs['schema_version']}, this dflash reads {SCHEMA_VERSION}; "
             "use the dflash version that wrote it or re-extract"
         )
+    problem = provenance_problem(path, root_attrs) if check else None
+    if problem:
+        raise StoreDataError(problem + f"; run `dflash verify {path}`")
     return attrs
+
+
+def provenance_problem(path: str, root_attrs: dict) -> Optional[str]:
+    """Why the root provenance cannot be trusted, or None (also None for a store from before checksums)."""
+    integrity = root_attrs.get(INTEGRITY_ATTR)
+    if not isinstance(integrity, dict):
+        return None
+    if integrity.get("provenance_sha256") != digest(root_attrs.get("dflash")):
+        return (f"the provenance of {path} (attribute 'dflash' in {path}/zarr.json) does not match its recorded "
+                "checksum: it was edited or damaged after the store was created, so what the features are "
+                "(target, layer_ids, encoding, ...) is unknown; restore the original zarr.json or re-extract")
+    return None
 
 
 # Provenance keys that must match between a store and the run that writes to or trains from it.
@@ -168,7 +230,10 @@ def create_or_open_store(path: str, provenance: dict) -> dict:
             Path(path).mkdir(parents=True, exist_ok=True)
         root = zarr.open_group(path, mode="a")
         root.require_group(SHARDS_GROUP)
-        root.attrs["dflash"] = provenance  # written last: a store without it is not (yet) a dflash store
+        provenance = json.loads(dumps(provenance))  # as zarr.json will hold it, so the checksum matches a re-read
+        # written last and in one metadata write: a store without it is not (yet) a dflash store
+        root.update_attributes({"dflash": provenance,
+                                INTEGRITY_ATTR: {"version": 1, "provenance_sha256": digest(provenance)}})
     except OSError as e:
         raise StoreError(f"cannot create the store at {path}: {e}; choose a writable --store path "
                          "(or set store.path) with room for the features") from None
@@ -190,6 +255,7 @@ class Progress:
     plan_fingerprint: str = ""
     planned_samples: int = 0
     planned_tokens: int = 0
+    every_chunk: bool = False  # every chunk of the committed rows is stored, all-zero ones included
 
     @classmethod
     def from_attrs(cls, attrs: dict) -> "Progress":
@@ -199,18 +265,86 @@ class Progress:
     def to_attrs(self) -> dict:
         return dict(self.__dict__)
 
+    def committed(self) -> tuple:
+        return self.committed_batches, self.committed_samples, self.committed_tokens, self.done
+
+
+def progress_problem(path: str, index: int, shard_attrs: dict, integrity: bool) -> Optional[str]:
+    """Why shard `index`'s progress record cannot be trusted, or None. `integrity`: the store records checksums."""
+    p = shard_attrs.get("progress")
+    if p is None:
+        return None
+    sha = shard_attrs.get(PROGRESS_SHA)
+    if sha is None and not integrity:
+        return None
+    if sha != digest(p):
+        return (f"the progress record of shard {index} of {path} (attribute 'progress' in "
+                f"{path}/{shard_name(index)}/zarr.json) does not match its checksum: it was edited or damaged, so "
+                f"which rows are committed is unknown; re-extract the shard (remove {path}/{shard_name(index)} and "
+                "rerun the same `dflash extract` command)")
+    return None
+
+
+def read_progress(path: str, index: int, shard_attrs: dict, integrity: bool) -> Progress:
+    problem = progress_problem(path, index, shard_attrs, integrity)
+    if problem:
+        raise StoreDataError(problem + f"; `dflash verify {path}` lists every problem")
+    return Progress.from_attrs(shard_attrs)
+
+
+def _local_dir(path: str) -> Optional[Path]:
+    return Path(str(path).removeprefix("file://")) if is_local(path) else None
+
+
+def partial_files(path: str, under: str = "") -> list[Path]:
+    """zarr's temporary `*.partial` chunk/metadata files (and ours) left by a killed writer (local stores)."""
+    d = _local_dir(path)
+    if d is None or not (d / under).is_dir():
+        return []
+    return sorted(f for f in (d / under).rglob("*.partial") if f.is_file())
+
+
+def _this_command() -> str:
+    import shlex
+    import sys
+
+    return shlex.join(sys.argv)
+
 
 class ShardWriter:
-    """Appends committed batches to one shard group; the only writer of that group."""
+    """Appends committed batches to one shard group; the only writer of that group (it holds the shard's lock).
 
-    def __init__(self, path: str, shard_index: int, root_attrs: dict):
-        zarr = _zarr()
+    `lock_token`: the lock a parent process took for this one (`dflash extract` passes it to its workers);
+    without it the writer takes the lock itself. Use as a context manager, or call `close()`/`finish()`."""
+
+    def __init__(self, path: str, shard_index: int, root_attrs: dict, lock_token: Optional[str] = None,
+                 command: str = ""):
+        from pipeline.store_lock import ShardLock
+
         self.path, self.index = path, shard_index
+        self._own_lock = lock_token is None
+        self.lock = (ShardLock.acquire(path, shard_index, command or _this_command()) if self._own_lock
+                     else ShardLock.adopt(path, shard_index, lock_token))
+        try:
+            self._open(root_attrs)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, root_attrs: dict) -> None:
+        zarr = _zarr()
+        path, shard_index = self.path, self.index
         self.encoding = root_attrs["encoding"]
         L, H = len(root_attrs["layer_ids"]), root_attrs["target"]["hidden_size"]
         chunk = int(root_attrs["chunk_tokens"])
         clevel = int(root_attrs.get("clevel", 3))
         root = zarr.open_group(path, mode="a")
+        self.integrity = INTEGRITY_ATTR in dict(root.attrs)
+        # stale temporary files of a killed writer: this process holds the lock, so none of them is live
+        self.removed_partials = 0
+        for f in partial_files(path, shard_name(shard_index)):
+            f.unlink(missing_ok=True)
+            self.removed_partials += 1
         g = root.require_group(shard_name(shard_index))
         specs = {
             "tokens": ((0,), (chunk * 16,), "int32"),
@@ -226,16 +360,18 @@ class ShardWriter:
         self.parts = part_names(self.encoding)
         self.arrays = {}
         existing = set(g.array_keys())
+        every = {"write_empty_chunks": True}  # an absent chunk must mean damage, never "all zeros"
         for name, (shape, chunks, dtype) in specs.items():
             if name in existing:
-                self.arrays[name] = g[name]
+                self.arrays[name] = g[name].with_config(every)
             else:
                 size = np.dtype(dtype).itemsize
                 self.arrays[name] = g.create_array(
-                    name, shape=shape, chunks=chunks, dtype=dtype, compressors=_codecs(size, clevel), fill_value=0
+                    name, shape=shape, chunks=chunks, dtype=dtype, compressors=_codecs(size, clevel), fill_value=0,
+                    config=every,
                 )
         self.group = g
-        self.progress = Progress.from_attrs(dict(g.attrs))
+        self.progress = read_progress(path, shard_index, dict(g.attrs), self.integrity)
 
     def start(self, plan_fingerprint: str, planned_samples: int, planned_tokens: int) -> Progress:
         """Record the shard's batch plan; refuse to resume a shard that was planned differently."""
@@ -245,8 +381,11 @@ class ShardWriter:
                 f"shard {self.index} of {self.path} was started with a different batch plan (extract.token_budget "
                 "or extract.max_batch_size changed since); rerun with the values that started it"
             )
-        if not p.plan_fingerprint:
+        fresh = not p.every_chunk and p.committed_batches == 0  # all its rows will be written by this writer
+        if not p.plan_fingerprint or fresh:
+            self._check_owner()
             p.plan_fingerprint, p.planned_samples, p.planned_tokens = plan_fingerprint, planned_samples, planned_tokens
+            p.every_chunk = p.every_chunk or fresh
             self._commit()
         return p
 
@@ -262,6 +401,9 @@ class ShardWriter:
     ) -> Progress:
         """Write one batch after the last commit, then commit it. Safe to kill at any point."""
         p = self.progress
+        if p.done:
+            raise StoreError(f"shard {self.index} of {self.path} is finished; nothing more is written to it")
+        self._check_owner()
         n, T = len(sample_ids), len(tokens)
         t0, s0 = p.committed_tokens, p.committed_samples
         if T:
@@ -269,16 +411,12 @@ class ShardWriter:
             if missing:
                 raise StoreError(f"batch for shard {self.index} lacks the {sorted(missing)} part(s) of encoding {self.encoding}")
             for name, data in [("tokens", tokens), ("loss_mask", loss_mask)] + [(k, parts[k]) for k in self.parts]:
-                arr = self.arrays[name]
-                arr.resize((t0 + T,) + arr.shape[1:])
-                arr[t0 : t0 + T] = data
+                self._grow(name, t0 + T)[t0 : t0 + T] = data
         if n:
             starts = t0 + np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64)
             for name, data in (("sample_start", starts), ("sample_length", lengths.astype(np.int32)),
                                ("sample_id", sample_ids.astype(np.uint64)), ("split", splits.astype(np.uint8))):
-                arr = self.arrays[name]
-                arr.resize((s0 + n,))
-                arr[s0 : s0 + n] = data
+                self._grow(name, s0 + n)[s0 : s0 + n] = data
         p.committed_batches += 1
         p.committed_samples += n
         p.committed_tokens += T
@@ -286,17 +424,59 @@ class ShardWriter:
         self._commit()
         return p
 
+    def _grow(self, name: str, rows: int):
+        """The array, resized up to at least `rows` rows. Never down: rows past the commit may belong to a
+        batch being rewritten, and shrinking once deleted another writer's newer chunks."""
+        arr = self.arrays[name]
+        if arr.shape[0] < rows:
+            arr.resize((rows,) + arr.shape[1:])
+        return arr
+
     def finish(self) -> Progress:
-        self.progress.done = True
+        """Mark the shard done: arrays trimmed to exactly the committed rows, then the commit; lock released."""
+        self._check_owner()
+        p = self.progress
+        for name, arr in self.arrays.items():
+            rows = p.committed_samples if name in SAMPLE_ARRAYS else p.committed_tokens
+            if arr.shape[0] > rows:  # garbage of an interrupted batch past the commit; never below it
+                arr.resize((rows,) + arr.shape[1:])
+        p.done = True
         self._commit()
-        return self.progress
+        self.close()
+        return p
+
+    def close(self) -> None:
+        """Release the shard's lock (if this writer took it). Committed work stays; a rerun resumes after it."""
+        if self._own_lock:
+            self.lock.release()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_owner(self) -> None:
+        """Stop before writing if another process took the lock or committed to this shard since our last commit."""
+        self.lock.check()
+        raw = read_bytes(f"{str(self.path).rstrip('/')}/{shard_name(self.index)}/zarr.json")
+        disk = Progress.from_attrs(json.loads(raw).get("attributes", {}))
+        if disk.committed() != self.progress.committed():
+            raise StoreError(
+                f"shard {self.index} of {self.path} was changed by another writer: its progress record says "
+                f"{disk.committed_batches} batches / {disk.committed_tokens} tokens committed (done={disk.done}), "
+                f"this writer last committed {self.progress.committed_batches} / {self.progress.committed_tokens}. "
+                "This writer stops without writing (nothing committed is touched); make sure no other process "
+                "writes this store, then rerun the same command"
+            )
 
     def _commit(self) -> None:
-        self.group.attrs["progress"] = self.progress.to_attrs()
+        record = self.progress.to_attrs()
+        self.group.update_attributes({"progress": record, PROGRESS_SHA: digest(record)})
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Reader (training, eval, inspect)
+# Reader (training, eval, recode, inspect): every read is checked
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -309,11 +489,53 @@ class SampleRef:
     split: int
 
 
+def chunk_key(arr, c: int) -> str:
+    """The store key (relative to the array) of chunk `c` along the first axis."""
+    return arr.metadata.chunk_key_encoding.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
+
+
+def chunk_exists(path: str, shard: int, name: str, arr, c: int) -> bool:
+    return exists(f"{str(path).rstrip('/')}/{shard_name(shard)}/{name}/{chunk_key(arr, c)}")
+
+
+def samples_in_rows(cols: Optional[dict], name: str, r0: int, r1: int, committed: int) -> str:
+    """Which samples of a shard rows [r0, r1) of array `name` hold, for an error message."""
+    if name in SAMPLE_ARRAYS:
+        lo, hi = r0, min(r1, committed)
+    elif cols is not None and "sample_start" in cols and "sample_length" in cols:
+        ends = cols["sample_start"] + cols["sample_length"]
+        lo, hi = int(np.searchsorted(ends, r0, side="right")), int(np.searchsorted(cols["sample_start"], r1))
+    else:
+        return "samples unknown (the per-sample arrays were not read)"
+    if hi <= lo:
+        return "no committed sample"
+    text = f"1 sample, shard position {lo}" if hi - lo == 1 else f"{hi - lo} samples, shard positions {lo}..{hi - 1}"
+    if cols is not None and "sample_id" in cols and name != "sample_id":
+        ids = [f"{int(x):016x}" for x in cols["sample_id"][lo : min(hi, lo + 3)]]
+        text += f", sample ids {', '.join(ids)}" + (f" and {hi - lo - 3} more" if hi - lo > 3 else "")
+    return text
+
+
+def decode_error(e: Exception) -> str:
+    """A chunk read failure, briefly (zarr's checksum error goes on to print both checksums' bytes)."""
+    text = str(e).split(". ")[0]
+    if "checksum" in text:
+        return "its crc32c checksum does not match: the file was changed or damaged"
+    return f"{type(e).__name__}: {text[:120]}; the file is damaged"
+
+
+def damage_message(path: str, shard: int, name: str, c: int, rows: int, what: str, samples: str) -> str:
+    return (f"damaged store {path}: shard {shard}, array {name}, chunk {c} (rows {c * rows}..{(c + 1) * rows - 1}) "
+            f"{what}; it holds {samples}. Nothing was read from it. Run `dflash verify {path}` to list every "
+            f"problem, then restore the store from a copy or re-extract that shard (remove "
+            f"{path}/{shard_name(shard)} and rerun the same `dflash extract` command)")
+
+
 class StoreReader:
     """Random access to committed samples. Open it inside each DataLoader worker (zarr is not fork-safe)."""
 
     def __init__(self, path: str, require_complete: bool = True):
-        attrs = read_root_attrs(path)
+        attrs = read_root_attrs(path)  # checks the provenance checksum
         if attrs is None:
             raise StoreError(f"no store at {path}; run `dflash extract` first or pass --store PATH")
         zarr = _zarr()
@@ -322,8 +544,14 @@ class StoreReader:
         self.layer_ids = list(attrs["layer_ids"])
         self.hidden_size = int(attrs["target"]["hidden_size"])
         root = zarr.open_group(path, mode="r")
+        integrity = INTEGRITY_ATTR in dict(root.attrs)
         self.shards: dict[int, Any] = {}
         self.progress: dict[int, Progress] = {}
+        # opened arrays, by (shard, name): opening one reads and parses its zarr.json, which was half of
+        # a sample's read time when done per read. Each array's shape covers every committed sample.
+        self._arrays: dict[tuple[int, str], Any] = {}
+        self._present: dict[tuple[int, str], set[int]] = {}  # chunks seen to exist, by (shard, name)
+        self._columns: dict[int, dict[str, np.ndarray]] = {}  # per-sample arrays of each shard
         refs = []
         for i in range(int(attrs["num_shards"])):
             name = shard_name(i)
@@ -332,14 +560,17 @@ class StoreReader:
             except KeyError:
                 self.progress[i] = Progress()
                 continue
-            prog = Progress.from_attrs(dict(g.attrs))
+            prog = read_progress(path, i, dict(g.attrs), integrity)
             self.shards[i], self.progress[i] = g, prog
             n = prog.committed_samples
             if n == 0:
                 continue
-            starts, lengths = g["sample_start"][:n], g["sample_length"][:n]
-            ids, splits = g["sample_id"][:n], g["split"][:n]
-            refs.extend(SampleRef(i, int(s), int(l), int(d), int(sp)) for s, l, d, sp in zip(starts, lengths, ids, splits))
+            cols: dict[str, np.ndarray] = {}
+            self._columns[i] = cols
+            for k in ("sample_id", *SAMPLE_ARRAYS):  # ids first: an error in another array can name them
+                cols[k] = self.read_rows(i, k, 0, n)
+            refs.extend(SampleRef(i, int(s), int(l), int(d), int(sp)) for s, l, d, sp in
+                        zip(cols["sample_start"], cols["sample_length"], cols["sample_id"], cols["split"]))
         missing = [i for i, p in self.progress.items() if not p.done]
         if require_complete and missing:
             raise StoreError(
@@ -348,10 +579,6 @@ class StoreReader:
             )
         refs.sort(key=lambda r: r.sample_id)  # deterministic order independent of sharding
         self.samples = refs
-        # opened arrays, by (shard, name): opening one reads and parses its zarr.json, which was half of
-        # a sample's read time when done per read. Opened after the progress above was read, so each
-        # array's shape covers every committed sample.
-        self._arrays: dict[tuple[int, str], Any] = {}
 
     def indices(self, split: str) -> list[int]:
         code = SPLITS[split]
@@ -360,14 +587,56 @@ class StoreReader:
     def read(self, index: int) -> dict[str, np.ndarray]:
         """One sample: tokens int32 [S], loss_mask uint8 [S] and the encoding's parts (features, ...) [S, ...]."""
         r = self.samples[index]
-        sl = slice(r.start, r.start + r.length)
-        return {name: self._array(r.shard, name)[sl] for name in token_arrays(self.encoding)}
+        return {name: self.read_rows(r.shard, name, r.start, r.start + r.length) for name in token_arrays(self.encoding)}
+
+    def columns(self, shard: int) -> dict[str, np.ndarray]:
+        """The committed per-sample arrays (sample_start, sample_length, sample_id, split) of a shard."""
+        return self._columns.get(shard) or {k: np.zeros(0, np.int64) for k in SAMPLE_ARRAYS}
+
+    def read_rows(self, shard: int, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a shard's array, checked: StoreDataError instead of a fill value or a zarr error."""
+        arr = self._array(shard, name)
+        if stop <= start:
+            return arr[start:stop]
+        rows = arr.chunks[0]
+        seen = self._present.setdefault((shard, name), set())
+        every = self.progress[shard].every_chunk or name not in MAYBE_EMPTY
+        for c in range(start // rows, (stop - 1) // rows + 1):
+            if c not in seen:
+                if every and not chunk_exists(self.path, shard, name, arr, c):
+                    raise self._damage(shard, name, c, rows, "is missing (zarr would have read it as zeros)")
+                seen.add(c)
+        try:
+            out = arr[start:stop]
+        except Exception as e:  # noqa: BLE001 - crc32c mismatch, undecodable or unreadable chunk
+            c = next((c for c in range(start // rows, (stop - 1) // rows + 1) if not _readable(arr, c)), start // rows)
+            raise self._damage(shard, name, c, rows, f"cannot be decoded ({decode_error(e)})") from None
+        if len(out) != stop - start:
+            c = arr.shape[0] // rows
+            raise self._damage(shard, name, c, rows, f"is cut off: the array ends at row {arr.shape[0]} but rows up "
+                               f"to {stop} are committed")
+        return out
+
+    def _damage(self, shard: int, name: str, c: int, rows: int, what: str) -> StoreDataError:
+        p = self.progress[shard]
+        committed = p.committed_samples if name in SAMPLE_ARRAYS else p.committed_tokens
+        samples = samples_in_rows(self._columns.get(shard), name, c * rows, (c + 1) * rows, committed)
+        return StoreDataError(damage_message(self.path, shard, name, c, rows, what, samples))
 
     def _array(self, shard: int, name: str):
         key = (shard, name)
         if key not in self._arrays:
             self._arrays[key] = self.shards[shard][name]
         return self._arrays[key]
+
+
+def _readable(arr, c: int) -> bool:
+    rows = arr.chunks[0]
+    try:
+        arr[c * rows : min((c + 1) * rows, arr.shape[0])]
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def frozen_head_path(store_path: str) -> str:

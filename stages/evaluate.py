@@ -255,6 +255,9 @@ def load_store_head(store_path: str, device, dtype) -> tuple[Tensor, Tensor]:
     head_path = st.frozen_head_path(store_path)
     if not st.exists(head_path):
         raise EvalError(f"{head_path} is missing: the store is incomplete; resume `dflash extract`")
+    from pipeline.provenance import check_frozen_head
+
+    check_frozen_head(store_path)  # its checksum
     t = load(st.read_bytes(head_path))
     embed = t["embed_tokens.weight"].to(device, dtype)
     head = t["lm_head.weight"].to(device, dtype) if "lm_head.weight" in t else embed  # tied: the embedding

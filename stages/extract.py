@@ -3,6 +3,10 @@
 Contract:
 - Everything that can fail cheaply fails before any worker starts: config, data rows (ingest), tokenizer,
   target metadata, an existing store made by a different run (named differences).
+- One run per shard: the parent takes the lock of every shard it runs (pipeline/store_lock.py) before
+  starting any worker, so a second `dflash extract` on the same shards is refused at once, naming the
+  holder's host and pid; each worker writes under its parent's lock (the lock is live while either runs).
+  A lock left by a killed run is taken over by the next one, no cleanup needed.
 - Shard i runs on GPU gpus[i] (default: GPU i) with only that GPU visible; with no GPU, workers run on the
   CPU sharing the cores. `--shard-index I` runs one shard alone (a scheduler or another node).
 - The parent prints live progress (per shard and total samples, tokens, tokens/s, ETA): a redrawn line on a
@@ -155,6 +159,9 @@ def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index: Optional
     visible GPU (or the shard's entry of a --gpus list with one GPU per shard). More shards than visible GPUs
     and no --gpus: the shards take the GPUs in turn (several workers on one GPU; the memory check counts them)."""
     if not n_gpu:
+        if gpus:
+            raise ExtractError(f"--gpus {','.join(map(str, gpus))}: this process sees no CUDA GPU (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); leave --gpus out to run on the CPU")
         return {}
     if shard_index is not None:
         if gpus is not None and len(gpus) not in (1, num_shards):
@@ -177,19 +184,40 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     from data.ingest import ingest
 
     store_path = store or cfg.store.path
-    num_shards = shards or cfg.extract.shards
+    num_shards = cfg.extract.shards if shards is None else shards
+    if num_shards < 1:
+        raise ExtractError(f"--shards {num_shards}: the number of shards must be at least 1")
     if shard_index is not None and not 0 <= shard_index < num_shards:
         raise ExtractError(f"--shard-index {shard_index} is out of range for --shards {num_shards}")
+    from pipeline.store_lock import acquire_all, refuse_if_held
+
+    refuse_if_held(store_path, [shard_index] if shard_index is not None else list(range(num_shards)))  # before ingest
     tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
     samples, report = ingest(cfg.data, tokenizer)  # raises on bad rows before any worker starts
     print(report.summary(), file=sys.stderr)
     provenance = build_provenance(cfg, tokenizer, samples, num_shards, command)
-    stored = st.create_or_open_store(store_path, provenance)
+    st.create_or_open_store(store_path, provenance)
     reader_state = _shard_done(store_path, num_shards)
     todo = [shard_index] if shard_index is not None else list(range(num_shards))
     if all(reader_state.get(i, False) for i in todo):
-        print(f"extract: nothing to do, the store at {store_path} is already complete for shard(s) {todo}", file=sys.stderr)
-        return 0
+        if st.exists(st.frozen_head_path(store_path)):
+            print(f"extract: nothing to do, the store at {store_path} is already complete for shard(s) {todo}", file=sys.stderr)
+            return 0
+        todo = todo[:1]  # a finished shard's worker writes the missing frozen head and stops
+    locks = {lk.index: lk for lk in acquire_all(store_path, todo, command)}  # refused at once if another run holds one
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        return _run_workers(cfg, config_path, overrides, num_shards, gpus, shard_index, store_path, command,
+                            provenance, samples, todo, locks, procs)
+    finally:
+        _stop_all(procs, exclude=-1)  # (all have exited unless this process failed) no worker outlives its lock
+        for lk in locks.values():
+            lk.release()
+
+
+def _run_workers(cfg: Config, config_path: Optional[str], overrides: list[str], num_shards: int,
+                 gpus: Optional[list[int]], shard_index: Optional[int], store_path: str, command: str,
+                 provenance: dict, samples, todo: list[int], locks: dict, procs: dict) -> int:
     import torch
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -217,7 +245,6 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     from pipeline.preflight import usable_cores
 
     cpu_threads = max(1, usable_cores() // len(todo))
-    procs: dict[int, subprocess.Popen] = {}
     monitor = Monitor(todo)
     status_file = logs / "extract-status.json"
     readers = []
@@ -230,7 +257,8 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
         cmd = [sys.executable, "-m", "stages.extract_worker", "--config", str(config_path or ""), "--shard-index",
-               str(i), "--shards", str(num_shards), "--store", store_path, "--threads", str(0 if n_gpu else cpu_threads)]
+               str(i), "--shards", str(num_shards), "--store", store_path, "--threads", str(0 if n_gpu else cpu_threads),
+               "--lock-token", locks[i].token]
         for o in overrides:
             cmd += ["--set", o]
         log = open(logs / f"extract-shard-{i:05d}.log", "ab")
@@ -238,6 +266,7 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
         log.flush()
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
         procs[i] = p
+        locks[i].add_pid(p.pid)  # the lock stays live while the worker runs, even if this process dies
         t = threading.Thread(target=lambda i=i, p=p: [monitor.feed(i, ln) for ln in p.stdout], daemon=True)
         t.start()
         readers.append(t)
@@ -290,7 +319,6 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     left = [i for i in range(num_shards) if not done.get(i)]
     where = "complete" if not left else f"waiting for shard(s) {left}"
     print(f"extract: finished shard(s) {todo}; store {store_path} is {where}", file=sys.stderr)
-    del stored
     return 0
 
 

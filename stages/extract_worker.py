@@ -7,6 +7,9 @@ Started by `dflash extract` (one process per shard, only its GPU visible) or by 
 - Overlap: the main thread runs forward passes and queues each batch's encoded features (GPU -> pinned host
   copy on a side stream); a writer thread waits for the copy, writes and commits. Bounded by queue_depth.
 - Samples with NaN/Inf features are not written; their count is committed with the shard's progress.
+- The worker writes under the shard's lock (pipeline/store_lock.py): the one its parent took (`--lock-token`)
+  or, started alone, its own. On resume it deletes the shard's stale `*.partial` files (logged).
+- A finished store whose frozen head is missing gets it written again (the target is loaded for that only).
 - Progress goes to stdout as JSON lines (`{"event": "progress", ...}`), read by the parent.
 - SIGTERM: stop producing, commit what is computed, exit 143. If the parent dies the worker gets SIGTERM
   (Linux PR_SET_PDEATHSIG) and stops the same way, so no orphan keeps a GPU.
@@ -22,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -147,8 +151,10 @@ def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: tor
         raise errors[0]
 
 
-def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -> int:
-    """Extract one shard; returns the process exit code (0 done, 143 stopped by a signal)."""
+def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, lock_token: Optional[str] = None) -> int:
+    """Extract one shard; returns the process exit code (0 done, 143 stopped by a signal).
+
+    lock_token: the shard lock `dflash extract` took for this worker; without it the worker takes the lock."""
     from data.ingest import dataset_fingerprint, ingest
 
     die_with_parent()
@@ -165,13 +171,26 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -
     mine = samples[shard_index::num_shards]
     lengths = [len(s.input_ids) for s in mine]
     plan = plan_batches(lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
-    writer = st.ShardWriter(store_path, shard_index, root_attrs)
+    writer = st.ShardWriter(store_path, shard_index, root_attrs, lock_token=lock_token)
+    try:
+        if writer.removed_partials:
+            print(f"shard {shard_index}: removed {writer.removed_partials} stale temporary file(s) (*.partial) "
+                  "left by a killed writer", file=sys.stderr, flush=True)
+        return _extract(cfg, writer, plan, mine, lengths, tokenizer, stop, root_attrs)
+    finally:
+        writer.close()
+
+
+def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], mine, lengths: list[int], tokenizer,
+             stop: StopFlag, root_attrs: dict) -> int:
+    shard_index, store_path = writer.index, writer.path
     prog = writer.start(plan_fingerprint(plan, [s.sample_id for s in mine]), len(mine), int(sum(lengths)))
     report = lambda p: emit("progress", shard=shard_index, batches=p.committed_batches, total_batches=len(plan),
                             samples=p.committed_samples, tokens=p.committed_tokens, planned_samples=p.planned_samples,
                             planned_tokens=p.planned_tokens, nonfinite=p.nonfinite_skipped, t=time.time())
     report(prog)
-    if prog.done:
+    head_path = st.frozen_head_path(store_path)
+    if prog.done and st.exists(head_path):
         emit("done", shard=shard_index, already=True)
         return 0
 
@@ -187,16 +206,20 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str) -
     model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code,
                         keep_layers=max(layer_ids) + 1)
     _log_kernels(root_attrs)
-    head_path = st.frozen_head_path(store_path)
     if not st.exists(head_path):
         from safetensors.torch import save
+
+        from pipeline.provenance import write_frozen_head
 
         # read from the checkpoint files (a trust_remote_code target: from the model)
         tensors = frozen_head_from_checkpoint(cfg.target.path, dtype, model, cfg.target.trust_remote_code)
         tied = root_attrs["target"]["tie_word_embeddings"]
         if tied:
             tensors.pop("lm_head.weight")
-        st.write_bytes_atomic(head_path, save(tensors, metadata={"tie_word_embeddings": str(tied).lower()}))
+        write_frozen_head(store_path, save(tensors, metadata={"tie_word_embeddings": str(tied).lower()}))
+    if prog.done:  # the head was all a finished shard needed
+        emit("done", shard=shard_index, already=True)
+        return 0
     capture = FeatureCapture(model, layer_ids)
     encoding = root_attrs["encoding"]
 
@@ -261,13 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--lock-token", default=None, help="the shard lock the parent took for this worker")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     cfg = load_config(a.config, a.overrides)
     try:
-        return run_shard(cfg, a.shard_index, a.shards, a.store)
+        return run_shard(cfg, a.shard_index, a.shards, a.store, a.lock_token)
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line, traceback to the log
         import traceback
 

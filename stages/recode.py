@@ -8,6 +8,9 @@ Contract:
   ShardWriter commit protocol as extraction, so a killed recode resumes where it stopped when rerun with the
   same arguments, and never touches SRC.
 - Recoding from a lossy source (fp8, intN) compounds the errors; it is allowed, with a warning.
+- SRC is read only through `StoreReader.read_rows` (checked: a missing or damaged chunk stops the recode
+  naming it) and its frozen head is checked against its checksum before it is copied. DST's shards are
+  written under their locks, like extraction's.
 """
 
 from __future__ import annotations
@@ -55,40 +58,42 @@ def run_recode(src: str, dst: str, encoding: str, clevel: Optional[int] = None, 
     stored = st.create_or_open_store(dst, prov)
     if stored.get("recoded_from", {}).get("encoding") not in (None, attrs["encoding"]):
         raise st.StoreError(f"{dst} was recoded from a different source; choose a new DST")
-    head_src, head_dst = st.frozen_head_path(src), st.frozen_head_path(dst)
-    if not st.exists(head_dst):
-        st.write_bytes_atomic(head_dst, st.read_bytes(head_src))
+    if not st.exists(st.frozen_head_path(dst)):
+        from pipeline.provenance import copy_frozen_head
+
+        copy_frozen_head(src, dst)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     total = sum(p.committed_tokens for p in reader.progress.values())
     done_tokens, t0, last = 0, time.perf_counter(), 0.0
     _log(f"recode: {src} ({attrs['encoding']}) -> {dst} ({encoding}), {len(reader.samples)} samples, "
          f"{total} tokens, on {dev}")
     for i in sorted(reader.shards):
-        g, prog = reader.shards[i], reader.progress[i]
+        prog = reader.progress[i]
         n = prog.committed_samples
-        starts, lengths = g["sample_start"][:n], g["sample_length"][:n]
-        ids, splits = g["sample_id"][:n], g["split"][:n]
+        cols = reader.columns(i)
+        starts, lengths, ids, splits = (cols[k] for k in ("sample_start", "sample_length", "sample_id", "split"))
         batches = _plan(lengths, batch_tokens)
-        writer = st.ShardWriter(dst, i, stored)
-        w = writer.start(f"recode:{attrs['encoding']}:{batch_tokens}:{n}", n, prog.committed_tokens)
-        done_tokens += w.committed_tokens
-        if w.done:
-            continue
-        for a, b in batches[w.committed_batches:]:
-            t_a, t_b = int(starts[a]), int(starts[b - 1] + lengths[b - 1])
-            parts = {k: from_storage(g[k][t_a:t_b]).to(dev) for k in part_names(attrs["encoding"])}
-            x = decode(parts, attrs["encoding"], torch.float32)  # [T, L, H]
-            new = {k: to_storage(v.cpu()) for k, v in encode(x, encoding).items()}
-            writer.write_batch(ids[a:b], splits[a:b], lengths[a:b].astype(np.int32), g["tokens"][t_a:t_b],
-                               g["loss_mask"][t_a:t_b], new)
-            done_tokens += t_b - t_a
-            now = time.perf_counter()
-            if now - last > 10 or done_tokens == total:
-                last = now
-                rate = done_tokens / max(1e-9, now - t0)
-                _log(f"recode: {done_tokens}/{total} tokens ({100 * done_tokens / max(1, total):.0f}%), "
-                     f"{rate:,.0f} tokens/s")
-        writer.finish()
+        with st.ShardWriter(dst, i, stored) as writer:
+            w = writer.start(f"recode:{attrs['encoding']}:{batch_tokens}:{n}", n, prog.committed_tokens)
+            done_tokens += w.committed_tokens
+            if w.done:
+                continue
+            for a, b in batches[w.committed_batches:]:
+                t_a, t_b = int(starts[a]), int(starts[b - 1] + lengths[b - 1])
+                rows = lambda k: reader.read_rows(i, k, t_a, t_b)  # noqa: E731 - checked reads of SRC
+                parts = {k: from_storage(rows(k)).to(dev) for k in part_names(attrs["encoding"])}
+                x = decode(parts, attrs["encoding"], torch.float32)  # [T, L, H]
+                new = {k: to_storage(v.cpu()) for k, v in encode(x, encoding).items()}
+                writer.write_batch(ids[a:b], splits[a:b], lengths[a:b].astype(np.int32), rows("tokens"),
+                                   rows("loss_mask"), new)
+                done_tokens += t_b - t_a
+                now = time.perf_counter()
+                if now - last > 10 or done_tokens == total:
+                    last = now
+                    rate = done_tokens / max(1e-9, now - t0)
+                    _log(f"recode: {done_tokens}/{total} tokens ({100 * done_tokens / max(1, total):.0f}%), "
+                         f"{rate:,.0f} tokens/s")
+            writer.finish()
     _log(f"recode: done: {dst} ({encoding}); `dflash inspect {dst}` shows its size")
     return 0
 

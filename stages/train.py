@@ -25,6 +25,7 @@ import torch
 
 from pipeline import store as st
 from pipeline.config import Config, dump_config
+from pipeline.provenance import check_frozen_head, target_differences
 from pipeline.target import resolve_layer_ids
 
 
@@ -38,6 +39,7 @@ def check_store_matches(cfg: Config, attrs: dict) -> list[int]:
     diffs = []
     if cfg.target.name and cfg.target.name != t["name"]:
         diffs.append(f"target: store was extracted from {t['name']!r}, config says {cfg.target.name!r}")
+    diffs += target_differences(cfg.target.path, t)  # by fingerprint, when target.path is readable here
     expected_ids = resolve_layer_ids(cfg.target.layer_ids, t["num_hidden_layers"], cfg.target.num_feature_layers)
     if expected_ids != attrs["layer_ids"]:
         diffs.append(f"layer ids: store has {attrs['layer_ids']}, config gives {expected_ids}")
@@ -149,6 +151,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     head = st.frozen_head_path(store_path)
     if not st.exists(head):
         raise TrainError(f"{head} is missing: the store is incomplete; resume `dflash extract` to write it")
+    check_frozen_head(store_path)  # its checksum: a changed or damaged head stops here, not in training
     run_dir = Path(cfg.train.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     last = ckpt_dir / "last.ckpt"

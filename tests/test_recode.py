@@ -103,7 +103,8 @@ def test_recode_refusals(src, tmp_path):
     partial = str(tmp_path / "partial.zarr")
     shutil.copytree(src, partial)
     g = zarr.open_group(partial, mode="a")["shards/00001"]
-    g.attrs["progress"] = {**g.attrs["progress"], "done": False}
+    unfinished = {**g.attrs["progress"], "done": False}  # as a stopped extraction leaves it (with its checksum)
+    g.update_attributes({"progress": unfinished, st.PROGRESS_SHA: st.digest(unfinished)})
     r = dflash("recode", partial, str(tmp_path / "p2.zarr"), "--encoding", "int4", check=False)
     assert r.returncode == 2 and "not complete" in r.stderr and "dflash extract" in r.stderr
     r = dflash("recode", dst, str(tmp_path / "lossy2.zarr"), "--encoding", "int4")

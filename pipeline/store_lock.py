@@ -1,0 +1,342 @@
+"""One writer per shard: lock files with host, pids and a heartbeat, for a local disk or a shared filesystem.
+
+The protocol (pipeline/store.py's docstring gives the user-level view):
+- Shard i's lock is `STORE/locks/shard-NNNNN.lock`, a small JSON record: a random token, the host, a
+  machine id (Linux boot id + pid namespace), the holder's pids with their start times, the command, the
+  start time, a heartbeat (unix time) and the ttl after which a silent holder on another machine is dead.
+- Acquire: the record is written to a temporary file and hard-linked to the lock path. link(2) is atomic
+  and fails when the path exists, on a local disk and on NFS alike. When the lock exists its holder is
+  - live: the acquirer is refused at once (`ShardLockedError` names host, pids, command, heartbeat age);
+  - stale: on this machine none of its pids runs any more (kill -9, a crash; a reboot changes the boot id);
+    on another machine, its heartbeat is older than its ttl. A stale lock is taken over without manual
+    cleanup: the taker creates `LOCK.takeover-TOKEN` exclusively (one process wins per stale token),
+    re-reads the lock, removes it only if it still carries that token, drops the claim and acquires anew.
+- Holding: a daemon thread rewrites the record every ttl/6 s with a fresh heartbeat (atomic replace), after
+  checking it still carries its token. `check()` (called before every commit) raises if another process
+  took the lock over, so a writer that was presumed dead (frozen past its ttl) cannot commit again.
+- A parent process may hold the lock for a child that does the writing (`dflash extract` and its workers):
+  it adds the child's pid (`add_pid`), and the child `adopt`s the lock by its token instead of acquiring.
+- Release removes the lock if it still carries the holder's token.
+- Object stores (fsspec URLs) have no atomic create: there the lock is best effort (exists, write, read
+  back); the commit-time checks in pipeline/store.py still stop a second writer before it shrinks anything.
+Clocks of machines that share a store must agree to well within the ttl (default 120 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from pipeline import store as st
+
+LOCKS_DIR = "locks"
+DEFAULT_TTL = 120.0  # seconds without a heartbeat after which a holder on another machine counts as dead
+CLAIM_ABANDONED = 30.0  # a takeover claim older than this was left by a process killed while taking over
+
+
+class ShardLockedError(st.StoreError):
+    """Another live process holds the shard; the message names it and says what to do."""
+
+
+def lock_path(store: str, index: int) -> str:
+    return f"{str(store).rstrip('/')}/{LOCKS_DIR}/shard-{index:05d}.lock"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Who is alive
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def machine_id() -> str:
+    """Boot id + pid namespace: two processes with equal ids can see each other's pids."""
+    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{boot}/{ns}" if boot and ns else f"host:{socket.gethostname()}"
+
+
+def _start_time(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks since boot (tells a pid from a later reuse of it), or None."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])  # a zombie has exited
+
+
+def _alive(pid: int, start: Optional[int]) -> bool:
+    if Path("/proc/self/stat").exists():
+        now = _start_time(pid)
+        return now is not None and (start is None or now == start)
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def is_live(rec: dict, now: Optional[float] = None) -> bool:
+    if rec.get("machine") == machine_id():
+        return any(_alive(int(pid), start) for pid, start in rec.get("pids", []))
+    return (now or time.time()) - float(rec.get("heartbeat", 0)) <= float(rec.get("ttl", DEFAULT_TTL))
+
+
+def describe(rec: dict, store: str, index: int) -> str:
+    pids = ", ".join(str(p) for p, _ in rec.get("pids", [])) or "?"
+    age = time.time() - float(rec.get("heartbeat", 0))
+    return (f"shard {index} of {store} is being written by another process: pid {pids} on host "
+            f"{rec.get('host', '?')} (`{rec.get('command') or '?'}`, started {rec.get('started', '?')}, "
+            f"last heartbeat {age:.0f} s ago). Two writers of one shard would corrupt it, so this run stops. "
+            f"Wait for that run to finish (`dflash status {store}` shows its progress) or stop it, then rerun "
+            f"the same command; a lock left by a killed process is taken over automatically (after "
+            f"{float(rec.get('ttl', DEFAULT_TTL)):.0f} s without a heartbeat when it was on another host)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The few filesystem operations a lock needs
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _FS:
+    def __init__(self, store: str):
+        self.local = st.is_local(store)
+        if not self.local:
+            import fsspec
+
+            self.fs, _ = fsspec.core.url_to_fs(store)
+
+    def _p(self, path: str) -> str:
+        return path.removeprefix("file://") if self.local else self.fs._strip_protocol(path)
+
+    def read(self, path: str) -> Optional[bytes]:
+        try:
+            if self.local:
+                return Path(self._p(path)).read_bytes()
+            return self.fs.cat_file(self._p(path))
+        except (FileNotFoundError, OSError):
+            return None
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Write `data` to `path` unless it exists; True if this call created it."""
+        p = self._p(path)
+        if not self.local:
+            if self.fs.exists(p):
+                return False
+            self.fs.pipe_file(p, data)
+            return self.read(path) == data
+        Path(p).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{p}.{uuid.uuid4().hex}.tmp"
+        Path(tmp).write_bytes(data)
+        try:
+            os.link(tmp, p)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # NFS: a retransmitted link can fail although it succeeded
+            return os.stat(tmp).st_nlink == 2
+        finally:
+            os.unlink(tmp)
+
+    def replace(self, path: str, data: bytes) -> None:
+        p = self._p(path)
+        if not self.local:
+            self.fs.pipe_file(p, data)
+            return
+        tmp = f"{p}.{uuid.uuid4().hex}.tmp"
+        Path(tmp).write_bytes(data)
+        os.replace(tmp, p)
+
+    def remove(self, path: str) -> None:
+        try:
+            if self.local:
+                os.unlink(self._p(path))
+            else:
+                self.fs.rm_file(self._p(path))
+        except FileNotFoundError:
+            pass
+
+
+def _parse(raw: Optional[bytes]) -> Optional[dict]:
+    """The lock record; an unreadable one cannot name a live holder, so it is stale (token: its hash)."""
+    if raw is None:
+        return None
+    try:
+        rec = json.loads(raw)
+    except ValueError:
+        rec = None
+    if isinstance(rec, dict) and "token" in rec:
+        return rec
+    return {"token": "unparsable-" + hashlib.sha256(raw).hexdigest()[:16]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The lock
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ShardLock:
+    def __init__(self, store: str, index: int, rec: dict):
+        self.store, self.index, self.rec = store, index, rec
+        self.path = lock_path(store, index)
+        self._fs = _FS(store)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.lost = False
+
+    @property
+    def token(self) -> str:
+        return self.rec["token"]
+
+    @classmethod
+    def acquire(cls, store: str, index: int, command: str = "", ttl: float = DEFAULT_TTL,
+                heartbeat: bool = True) -> "ShardLock":
+        """Take shard `index`'s lock or raise ShardLockedError naming its live holder."""
+        pid = os.getpid()
+        rec = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "machine": machine_id(),
+               "pids": [[pid, _start_time(pid)]], "command": command,
+               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "heartbeat": time.time(),
+               "ttl": ttl}
+        lock = cls(store, index, rec)
+        fs = lock._fs
+        for attempt in range(50):
+            if fs.create_exclusive(lock.path, lock._bytes()):
+                if heartbeat:
+                    lock.start_heartbeat()
+                return lock
+            held = _parse(fs.read(lock.path))
+            if held is None:
+                continue  # released meanwhile
+            if is_live(held):
+                raise ShardLockedError(describe(held, store, index))
+            lock._take_over(held)
+            time.sleep(0.01 * attempt)
+        raise st.StoreError(f"could not take the lock {lock.path} after 50 attempts (other processes kept "
+                            "taking it); rerun the command")
+
+    @classmethod
+    def adopt(cls, store: str, index: int, token: str) -> "ShardLock":
+        """The lock a parent took for this process (`dflash extract` for its workers); no heartbeat here."""
+        lock = cls(store, index, {"token": token})
+        held = _parse(lock._fs.read(lock.path))
+        if held is None or held["token"] != token:
+            holder = describe(held, store, index) if held else "it is not held at all"
+            raise st.StoreError(f"this worker's lock on shard {index} of {store} is gone: {holder}")
+        lock.rec = held
+        return lock
+
+    def _bytes(self) -> bytes:
+        return json.dumps(self.rec, sort_keys=True).encode()
+
+    def _take_over(self, stale: dict) -> None:
+        claim = f"{self.path}.takeover-{stale['token']}"
+        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
+        if not self._fs.create_exclusive(claim, me):
+            other = _parse(self._fs.read(claim)) or {}
+            if time.time() - float(other.get("time", 0)) > CLAIM_ABANDONED:
+                self._fs.remove(claim)  # its taker died within the few microseconds it holds a claim
+            return
+        try:
+            now = _parse(self._fs.read(self.path))
+            if now is not None and now["token"] == stale["token"]:
+                self._fs.remove(self.path)
+        finally:
+            self._fs.remove(claim)
+
+    def holds(self) -> bool:
+        now = _parse(self._fs.read(self.path))
+        return now is not None and now["token"] == self.token
+
+    def check(self) -> None:
+        """Raise StoreError unless this process (or its parent) still holds the lock."""
+        if self.lost or not self.holds():
+            self.lost = True
+            held = _parse(self._fs.read(self.path))
+            who = describe(held, self.store, self.index) if held else "the lock file is gone"
+            raise st.StoreError(f"lost the lock on shard {self.index} of {self.store} (another process took it over "
+                                f"while this one looked dead): {who}. Nothing more is written by this process")
+
+    def add_pid(self, pid: int) -> None:
+        """Record a child that writes under this lock: the lock is live while any recorded pid runs."""
+        self.rec["pids"].append([pid, _start_time(pid)])
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not self.holds():
+            self.lost = True
+            return
+        self.rec["heartbeat"] = time.time()
+        self._fs.replace(self.path, self._bytes())
+
+    def start_heartbeat(self) -> None:
+        interval = float(self.rec.get("ttl", DEFAULT_TTL)) / 6
+
+        def beat():
+            while not self._stop.wait(interval):
+                try:
+                    self.refresh()
+                except OSError:  # a transient filesystem error: the next beat retries
+                    pass
+                if self.lost:
+                    return
+
+        self._thread = threading.Thread(target=beat, name=f"dflash-lock-{self.index}", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if not self.lost and self.holds():
+            self._fs.remove(self.path)
+
+
+def acquire_all(store: str, indices: list[int], command: str) -> list[ShardLock]:
+    """Locks for several shards, in index order, all or none: of two runs asking for the same shards, the
+    first to lock the lowest shard gets them all and the other is refused."""
+    locks: list[ShardLock] = []
+    try:
+        for i in sorted(indices):
+            locks.append(ShardLock.acquire(store, i, command))
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+def refuse_if_held(store: str, indices: list[int]) -> None:
+    """Raise ShardLockedError if a live process holds one of these shards: a cheap early look, before a run
+    spends minutes on its set-up (`acquire_all` is what guarantees one writer)."""
+    if not st.exists(store):
+        return
+    for i in sorted(indices):
+        rec = holder(store, i)
+        if rec is not None and rec["live"]:
+            raise ShardLockedError(describe(rec, store, i))
+
+
+def holder(store: str, index: int) -> Optional[dict]:
+    """The record of shard `index`'s lock with "live": bool added, or None when unlocked."""
+    rec = _parse(_FS(store).read(lock_path(store, index)))
+    if rec is not None:
+        rec["live"] = "machine" in rec and is_live(rec)
+    return rec
