@@ -227,7 +227,10 @@ class DFlashDraftFn:
         attend = make_attend("sdpa", anchors=torch.tensor([[pos]], device=dev), block_size=bs, ctx_len=pos,
                              layer_types=arch.layer_types, sliding_window=arch.sliding_window)
         h = self.drafter(block_embeds, self.ctx, q_pos, ctx_pos, attend)[0, 1:]  # [bs-1, H]
-        return (h.to(self.head.dtype) @ self.head.t()).argmax(-1).tolist()
+        logits = h.to(self.head.dtype) @ self.head.t()  # [bs-1, V]
+        if hasattr(self.drafter, "select"):  # DFlash 2: its selector walks the top-K from the verified token
+            return self.drafter.select(h[None], logits[None], ids[0, :1])[0].tolist()
+        return logits.argmax(-1).tolist()
 
 
 def dflash_draft_fn(drafter: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor) -> DFlashDraftFn:
