@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
 #   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile
+#   bash bench/device_run.sh dflash2 dflash2tests                            (issue 20: DFlash 2 step time, GPU tests)
 #   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
@@ -28,6 +29,12 @@ for part in "$@"; do
       python3 $x --store-dir /tmp/xs --out "$OUT/extract_solo.json" > "$OUT/extract_solo.log" 2>&1; rm -rf /tmp/xs
       for g in 0 1; do CUDA_VISIBLE_DEVICES=$g python3 $x --store-dir /tmp/xp$g --out "$OUT/extract_gpu$g.json" > "$OUT/extract_gpu$g.log" 2>&1 & done
       wait; tail -n 6 "$OUT"/extract_*.log ;;
+    dflash2)  # issue 20: the 27B-shape step (flex, compiled layers, bf16), plain DFlash then DFlash 2, same shape
+      for arch in dflash dflash2; do
+        python3 bench/train_bench.py --modes flex --steps 8 --arch $arch --cache-dir /tmp/cc-$arch \
+          --out "$OUT/train_$arch.json" > "$OUT/train_$arch.log" 2>&1; tail -3 "$OUT/train_$arch.log"
+      done ;;
+    dflash2tests) python3 -m pytest -q -m gpu tests/test_gpu_dflash2.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
     sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;

@@ -219,11 +219,13 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    layer_cls = DecoderLayer  # a subclass may wrap the layer (drafter2.py), keeping its call signature
+
     def __init__(self, arch: DrafterArch):
         super().__init__()
         self.arch = arch
         H = arch.hidden_size
-        self.layers = nn.ModuleList([DecoderLayer(arch, i) for i in range(arch.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_cls(arch, i) for i in range(arch.num_hidden_layers)])
         self.fc = nn.Linear(arch.num_features * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
         self.norm = RMSNorm(H, arch.rms_norm_eps)

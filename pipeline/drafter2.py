@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafter import DecoderLayer, DFlashDrafter, DrafterArch, RMSNorm
+from .drafter import DecoderLayer, DFlashDrafter, DrafterArch
 
 # the dflash_config keys a DFlash 2 export carries beyond DFlash's (the two optional ones only when set)
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -127,13 +127,21 @@ def grouped_dynamic_conv(x: Tensor, delta: Tensor, base: Tensor, block_size: int
     return out.view(B, Q, H)
 
 
-class ZeroLinear(nn.Linear):
-    """nn.Linear that starts at zero: its construction draws no random numbers, so adding the DFlash 2 modules
-    leaves the backbone's seeded initialisation exactly as DFlash's."""
+class ZeroLinear(nn.Module):
+    """A bias-free linear map that starts at zero. Not an nn.Linear on purpose: it draws no random numbers and
+    DFlashDrafter.reset_parameters leaves it alone, so the DFlash 2 modules leave the backbone's seeded
+    initialisation exactly as DFlash's."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features))
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.weight.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
 
 
 class GroupedDynamicConv(nn.Module):
@@ -143,7 +151,7 @@ class GroupedDynamicConv(nn.Module):
         super().__init__()
         self.taps, self.group_size, self.block_size = arch.conv_kernel_size, arch.conv_group_size, arch.block_size
         self.base_kernel = nn.Parameter(torch.empty(2, self.taps, arch.hidden_size))  # [side, tap, channel]
-        self.kernel_projection = ZeroLinear(arch.hidden_size, 2 * self.taps * arch.conv_groups, bias=False)
+        self.kernel_projection = ZeroLinear(arch.hidden_size, 2 * self.taps * arch.conv_groups)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -192,7 +200,7 @@ class CandidateSelector(nn.Module):
         super().__init__()
         r = arch.selector_rank
         self.top_k = arch.selector_top_k
-        self.hidden_projection = ZeroLinear(arch.hidden_size, r, bias=False)  # P (random: DFlash2Drafter)
+        self.hidden_projection = ZeroLinear(arch.hidden_size, r)  # P (random: DFlash2Drafter)
         self.predecessor_codebook = nn.Parameter(torch.zeros(arch.vocab_size, r))  # A
         self.successor_codebook = nn.Parameter(torch.zeros(arch.vocab_size, r))  # B
 
@@ -232,31 +240,27 @@ class DFlash2Drafter(DFlashDrafter):
     forward/project_context/compile_layers are DFlash's (the layers keep DFlash's call signature). The block
     rows of `forward` must be whole blocks, block-major (as pipeline.masks.build_blocks lays them out)."""
 
+    layer_cls = DecoderLayer2
+
     def __init__(self, arch: DFlash2Arch):
-        nn.Module.__init__(self)
-        self.arch = arch
-        H = arch.hidden_size
-        self.layers = nn.ModuleList([DecoderLayer2(arch, i) for i in range(arch.num_hidden_layers)])
-        self.fc = nn.Linear(arch.num_features * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
-        self.norm = RMSNorm(H, arch.rms_norm_eps)
+        super().__init__(arch)  # DFlash's modules (layers with convolutions), initialised by reset_parameters below
         self.candidate_selector = CandidateSelector(arch)
-        self.gradient_checkpointing = False
-        self.reset_parameters()
+        self._reset_selector()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The backbone exactly as DFlashDrafter (same random draws in the same order: with the same seed a
-        DFlash 2 model starts as the DFlash model), then identity convolutions and a small random selector."""
-        new = [m for layer in self.layers for m in (layer.attention_conv, layer.mlp_conv)] + [self.candidate_selector]
-        skip = {id(p) for m in new for p in m.parameters()}
-        for m in self.modules():
-            if isinstance(m, nn.Linear) and id(m.weight) not in skip:
-                m.weight.normal_(0.0, self.arch.initializer_range)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-        for m in new[:-1]:
-            m.reset_parameters()
+        """The backbone exactly as DFlashDrafter (the same random draws in the same order: the new modules draw
+        none, so with the same seed a DFlash 2 model starts as the DFlash model), identity convolutions, then
+        a small random selector."""
+        super().reset_parameters()
+        for layer in self.layers:
+            layer.attention_conv.reset_parameters()
+            layer.mlp_conv.reset_parameters()
+        if "candidate_selector" in self._modules:  # absent while DFlashDrafter.__init__ runs
+            self._reset_selector()
+
+    @torch.no_grad()
+    def _reset_selector(self) -> None:
         for p in self.candidate_selector.parameters():
             p.normal_(0.0, self.arch.initializer_range)
 

@@ -10,6 +10,10 @@ per-row CE, the argmax and, because the head is frozen, the whole input gradient
 and stashes it. Backward only scales the stash by the incoming scalar gradient: no logits are recomputed or
 kept, so peak extra memory is O(chunk_rows x V), independent of the number of rows.
 Rows with label IGNORE_INDEX (or weight 0) are skipped entirely (padded anchors, slot 0, unsupervised).
+
+DFlash 2 (pipeline/drafter2.py) adds: the same pass can also return each row's top-K ids and apply a logit
+softcap (`chunked_weighted_ce_topk`), and `selector_ce` is the selector's K-way cross-entropy over those
+candidates, whose unary logits are recomputed for the K ids only, chunk by chunk (`_GatheredLogits`).
 """
 
 from __future__ import annotations
