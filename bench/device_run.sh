@@ -2,6 +2,7 @@
 # Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
 #   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile
 #   bash bench/device_run.sh dflash2 dflash2tests                            (issue 20: DFlash 2 step time, GPU tests)
+#   ARCH_SEEDS=0..7 ARCH_JOBS=16 bash bench/device_run.sh archtau            (issue 20's tau study on host CPUs)
 #   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
@@ -34,6 +35,13 @@ for part in "$@"; do
         python3 bench/train_bench.py --modes flex --steps 8 --arch $arch --cache-dir /tmp/cc-$arch \
           --out "$OUT/train_$arch.json" > "$OUT/train_$arch.log" 2>&1; tail -3 "$OUT/train_$arch.log"
       done ;;
+    archtau)  # issue 20's paired dflash/dflash2 study on the host's CPUs: ARCH_SEEDS pairs, ARCH_EPOCHS epochs
+              # (1, as the development machine's study; 3 is the demo schedule, ~3x longer per run)
+      ( while sleep 15; do cp /tmp/archtau/results.jsonl "$OUT/archtau_results.jsonl" 2>/dev/null; done ) & copier=$!
+      timeout ${ARCH_LIMIT:-560} python3 bench/arch_tau.py --out /tmp/archtau --seeds ${ARCH_SEEDS:-0..7} \
+        --set train.epochs=${ARCH_EPOCHS:-1} --jobs ${ARCH_JOBS:-16} --threads 1 --cpu > "$OUT/archtau.log" 2>&1
+      tail -12 "$OUT/archtau.log"
+      kill $copier; cp /tmp/archtau/results.jsonl "$OUT/archtau_results.jsonl" ;;
     dflash2tests) python3 -m pytest -q -m gpu tests/test_gpu_dflash2.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
     sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;

@@ -18,7 +18,8 @@ Contract (used by `dflash eval --online` and the tests):
   The evaluation counts any difference as a bug.
 - `draft_fn(context [p, L*H], p, last_id) -> list[int]` is pluggable (its `reset()`, if any, is called at the
   start of each sequence); `dflash_draft_fn` is the DFlash drafter (`draft_blocks`' math with the projected
-  context cached across steps), tests plug in oracles.
+  context cached across steps; a DFlash 2 drafter picks its tokens with its selector walk, `select`), tests
+  plug in oracles.
 """
 
 from __future__ import annotations

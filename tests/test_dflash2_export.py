@@ -186,14 +186,19 @@ def test_selector_drafts_decode_losslessly_on_a_random_target():
 
 
 @pytest.mark.slow
-def test_dflash2_trains_exports_and_decodes_losslessly_on_the_tiny_target(tmp_path):
-    """The whole pipeline with drafter.arch=dflash2: extract -> train (a few steps) -> export -> eval offline and
-    online, lossless; the run's checkpoint and export are DFlash 2."""
+def test_dflash2_trains_resumes_exports_and_decodes_losslessly_on_the_tiny_target(tmp_path):
+    """The whole pipeline with drafter.arch=dflash2: extract -> train (2 DDP ranks over gloo, a few steps) ->
+    resume from the checkpoint -> export -> eval offline and online, lossless; the export is DFlash 2."""
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
     dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=120")
-    sets = ["drafter.arch=dflash2", "drafter.selector_rank=32", f"train.run_dir={run}", "train.max_steps=12",
-            "train.batch_size=8", "train.num_workers=0", "train.val_every=6", "train.log_every=2"]
-    dflash("train", "--config", TINY, "--store", store, *[x for s in sets for x in ("--set", s)])
+    sets = ["drafter.arch=dflash2", "drafter.selector_rank=32", f"train.run_dir={run}", "train.batch_size=4",
+            "train.num_workers=0", "train.val_every=6", "train.log_every=2", "train.checkpoint_every=3"]
+    args = ["train", "--config", TINY, "--store", store, "--devices", "2", *[x for s in sets for x in ("--set", s)]]
+    dflash(*args, "--set", "train.max_steps=6", "--no-export")
+    first = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert first["global_step"] == 6 and first["dflash"]["arch"]["selector_rank"] == 32  # the DFlash 2 arch
+    dflash(*args, "--set", "train.max_steps=10", "--resume")
+    assert json.loads((run / "summary.json").read_text())["global_step"] == 10
     cfg = json.loads((run / "export" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_rank"] == 32
     header = (run / "logs" / "metrics.csv").read_text().splitlines()[0]
