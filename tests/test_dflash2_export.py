@@ -174,11 +174,17 @@ def test_selector_drafts_decode_losslessly_on_a_random_target():
     fn = dflash_draft_fn(d2, emb, head)
     runner = TargetRunner(target, "kv")
     g = torch.Generator().manual_seed(3)
-    for trial in range(3):
-        prompt = torch.randint(4, 96, (6 + 3 * trial,), generator=g).tolist()
-        greedy = greedy_decode(runner, prompt, 24, set())
-        spec = speculative_decode(runner, fn, prompt, [1, 3], BS, 24, set())
-        assert spec.tokens == greedy.tokens, trial
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the online eval on a tiny target: thread hand-offs cost more than they save
+    try:
+        for trial in range(2):
+            prompt = torch.randint(4, 96, (6 + 3 * trial,), generator=g).tolist()
+            greedy = greedy_decode(runner, prompt, 20, set())
+            spec = speculative_decode(runner, fn, prompt, [1, 3], BS, 20, set())
+            assert spec.tokens == greedy.tokens, trial
+            assert len(spec.steps) < len(greedy.tokens)  # some drafts were accepted: the walk was exercised
+    finally:
+        torch.set_num_threads(threads)
     feats = torch.randn(9, 2 * 48, generator=g)
     fn.reset()
     with torch.no_grad():
