@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
 #   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile regen
+#   bash bench/device_run.sh dflash2 dflash2tests                            (issue 20: DFlash 2 step time, GPU tests)
+#   ARCH_SEEDS=0..7 ARCH_JOBS=16 bash bench/device_run.sh archtau            (issue 20's tau study on host CPUs)
 #   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
@@ -30,6 +32,19 @@ for part in "$@"; do
       python3 $x --store-dir /tmp/xs --out "$OUT/extract_solo.json" > "$OUT/extract_solo.log" 2>&1; rm -rf /tmp/xs
       for g in 0 1; do CUDA_VISIBLE_DEVICES=$g python3 $x --store-dir /tmp/xp$g --out "$OUT/extract_gpu$g.json" > "$OUT/extract_gpu$g.log" 2>&1 & done
       wait; tail -n 6 "$OUT"/extract_*.log ;;
+    dflash2)  # issue 20: the 27B-shape step (flex, compiled layers, bf16), plain DFlash then DFlash 2, same shape
+      for arch in dflash dflash2; do
+        python3 bench/train_bench.py --modes flex --steps 8 --arch $arch --cache-dir /tmp/cc-$arch \
+          --out "$OUT/train_$arch.json" > "$OUT/train_$arch.log" 2>&1; tail -3 "$OUT/train_$arch.log"
+      done ;;
+    archtau)  # issue 20's paired dflash/dflash2 study on the host's CPUs: ARCH_SEEDS pairs, ARCH_EPOCHS epochs
+              # (1, as the development machine's study; 3 is the demo schedule, ~3x longer per run)
+      ( while sleep 15; do cp /tmp/archtau/results.jsonl "$OUT/archtau_results.jsonl" 2>/dev/null; done ) & copier=$!
+      timeout ${ARCH_LIMIT:-560} python3 bench/arch_tau.py --out /tmp/archtau --seeds ${ARCH_SEEDS:-0..7} \
+        --set train.epochs=${ARCH_EPOCHS:-1} --jobs ${ARCH_JOBS:-16} --threads 1 --cpu > "$OUT/archtau.log" 2>&1
+      tail -12 "$OUT/archtau.log"
+      kill $copier; cp /tmp/archtau/results.jsonl "$OUT/archtau_results.jsonl" ;;
+    dflash2tests) python3 -m pytest -q -m gpu tests/test_gpu_dflash2.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
     sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;

@@ -46,18 +46,20 @@ def sets(items: list[str]) -> list[str]:
 
 
 def one_run(out: Path, ref: Path, enc: str, seed: int, results: Path, lock: threading.Lock, env: dict,
-            extra: list[str]) -> dict:
-    """Train (unless done) and evaluate the drafter of one (encoding, seed); append its row to results."""
+            extra: list[str], name: str | None = None) -> dict:
+    """Train (unless done) and evaluate the drafter of one (encoding, seed); append its row to results.
+    name: the run's name when several variants train from one encoding (bench/arch_tau.py), in the row as "run"."""
     store = out / "stores" / f"{enc}.zarr"
-    run = out / "runs" / f"{enc}-s{seed}"
+    tag = f"{name or enc}-s{seed}"
+    run = out / "runs" / tag
     if not (run / "summary.json").exists():
         dflash("train", "--store", str(store), *sets([*TRAIN, *extra, f"train.seed={seed}", f"train.run_dir={run}"]),
-               env=env, log=out / "logs" / f"{enc}-s{seed}.log")
+               env=env, log=out / "logs" / f"{tag}.log")
     ev = run / "eval"
     dflash("eval", str(run / "export"), "--store", str(ref), "--online", "--out", str(ev), env=env,
-           log=out / "logs" / f"{enc}-s{seed}.log")
+           log=out / "logs" / f"{tag}.log")
     rep = json.loads((ev / "report.json").read_text())
-    row = {"encoding": enc, "seed": seed, "offline_tau": rep["offline"]["tau"],
+    row = {"encoding": enc, **({"run": name} if name else {}), "seed": seed, "offline_tau": rep["offline"]["tau"],
            "serving_walk_tau": rep["offline"]["serving_walk"]["tau"], "online_tau": rep["online"]["tau"],
            "lossless": rep["online"]["mismatches"] == 0, "store_bytes_per_token": _bpt(store)}
     with lock, results.open("a") as f:
@@ -75,17 +77,29 @@ def parse_seeds(text: str) -> list[int]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="runs/encoding-tau")
-    ap.add_argument("--encodings", default="bf16,fp8,int6,int5,int4")
-    ap.add_argument("--seeds", default="0,1,2", help="comma list of seeds or ranges: 0,1,2 or 0..19 or 0,10..21")
+def study_args(ap: argparse.ArgumentParser, out: str, seeds: str) -> None:
+    """The options of a paired seeded study (this one and bench/arch_tau.py)."""
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--seeds", default=seeds, help="comma list of seeds or ranges: 0,1,2 or 0..19 or 0,10..21")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (on a GPU several tiny drafters share it)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per run (OMP_NUM_THREADS); 0 = torch's default")
     ap.add_argument("--cpu", action="store_true", help="hide the GPUs (the CPU results in docs/benchmarks.md)")
     ap.add_argument("--set", action="append", default=[], help="extra training override (smoke runs)")
     ap.add_argument("--summarize", nargs="+", metavar="RESULTS_JSONL", help="only print the table of these "
-                    "results files together (runs pair with the bf16 run of their seed in the same file)")
+                    "results files together (runs pair with the reference run of their seed in the same file)")
+
+
+def study_env(a: argparse.Namespace) -> dict:
+    env = {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
+    if a.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    study_args(ap, "runs/encoding-tau", "0,1,2")
+    ap.add_argument("--encodings", default="bf16,fp8,int6,int5,int4")
     ap.add_argument("--min-tau", type=float, default=None, help="with --summarize: also the paired differences "
                     "over the seeds whose runs all reach this offline tau (a sensitivity view: some seeds of the "
                     "tiny drafter end in a worse basin, tau ~4.0-4.3, whatever the encoding)")
@@ -100,14 +114,9 @@ def main() -> None:
         return
     seeds = parse_seeds(a.seeds)
     encodings = a.encodings.split(",")
-    env = {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
-    if a.cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = study_env(a)
     out = Path(a.out).resolve()
-    ref = out / "stores" / "bf16.zarr"
-    if not (out / "stores" / "bf16.done").exists():
-        dflash("extract", "--store", str(ref), *sets(["store.encoding=bf16"]), env=env)
-        (out / "stores" / "bf16.done").write_text("")
+    ref = reference_store(out, env)
     for enc in encodings:
         if enc != "bf16" and not (out / "stores" / f"{enc}.done").exists():
             dflash("recode", str(ref), str(out / "stores" / f"{enc}.zarr"), "--encoding", enc, env=env)
@@ -127,17 +136,26 @@ def main() -> None:
     table(rows, encodings)
 
 
-def table(rows: list[dict], encodings: list[str]) -> None:
+def reference_store(out: Path, env: dict) -> Path:
+    """The lossless bf16 store of the tiny target's conversations (extracted once)."""
+    ref = out / "stores" / "bf16.zarr"
+    if not (out / "stores" / "bf16.done").exists():
+        dflash("extract", "--store", str(ref), *sets(["store.encoding=bf16"]), env=env)
+        (out / "stores" / "bf16.done").write_text("")
+    return ref
+
+
+def table(rows: list[dict], encodings: list[str], by: str = "encoding", base: str = "bf16") -> None:
     """Mean ± sd over seeds, and the difference to bf16 at the same seed, mean ± sd in percent. The seed fixes
     the data order and anchors, and (since train.seed seeds the initial weights; runs made before that had
     unseeded weights) the initialisation; the measured spread of the difference shows how little cancels."""
     keys = ("offline_tau", "serving_walk_tau", "online_tau")
     # a run pairs with the bf16 run of its seed from the same source (machine): CPU results repeat bit for
     # bit on one machine, not across machines
-    ref = {_pair(r, k): r[k] for r in rows if r["encoding"] == "bf16" for k in keys}
-    print(f"\n{'encoding':<9}{'B/token':>9}" + "".join(f"{k:>32}" for k in keys) + f"{'seeds':>7}")
+    ref = {_pair(r, k): r[k] for r in rows if r[by] == base for k in keys}
+    print(f"\n{by:<9}{'B/token':>9}" + "".join(f"{k:>32}" for k in keys) + f"{'seeds':>7}")
     for enc in encodings:
-        rs = [r for r in rows if r["encoding"] == enc]
+        rs = [r for r in rows if r[by] == enc]
         if not rs:
             continue
         cells = []
@@ -149,14 +167,14 @@ def table(rows: list[dict], encodings: list[str]) -> None:
             cells.append(f"{statistics.mean(v):.3f}±{sd:.3f} ({dm:+.1f}±{dsd:.1f}%)")
         print(f"{enc:<9}{rs[0]['store_bytes_per_token']:>9.0f}" + "".join(f"{c:>32}" for c in cells) + f"{len(rs):>7}")
     for enc in encodings:  # the paired difference's 95% interval: is a 1% difference resolved?
-        if enc == "bf16":
+        if enc == base:
             continue
         for k in keys:
-            d = [100 * (r[k] / ref[_pair(r, k)] - 1) for r in rows if r["encoding"] == enc and _pair(r, k) in ref]
+            d = [100 * (r[k] / ref[_pair(r, k)] - 1) for r in rows if r[by] == enc and _pair(r, k) in ref]
             if len(d) > 1:
                 half = _t975(len(d) - 1) * statistics.stdev(d) / len(d) ** 0.5
                 m = statistics.mean(d)
-                print(f"{enc} vs bf16, {k}: {m:+.2f}% (95% interval {m - half:+.2f} .. {m + half:+.2f}%, {len(d)} pairs)")
+                print(f"{enc} vs {base}, {k}: {m:+.2f}% (95% interval {m - half:+.2f} .. {m + half:+.2f}%, {len(d)} pairs)")
 
 
 _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,

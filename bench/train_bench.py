@@ -10,6 +10,8 @@ attention over visible pairs only, lm_head fwd + input grad over labelled rows.
     python bench/train_bench.py --modes flex --cache-dir DIR   # twice: cold, then warm compile cache
     python bench/train_bench.py --attention-only               # one attention layer, flex vs SDPA dense
     python bench/train_bench.py --modes flex --profile         # top CUDA kernels of two steps
+    python bench/train_bench.py --modes flex --arch dflash2    # the DFlash 2 drafter's step (issue 20)
+    python bench/train_bench.py --device cpu --tiny --modes sdpa --steps 2 --arch dflash2   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import DrafterConfig
-from pipeline.drafter import DFlashDrafter, DrafterArch
-from pipeline.loss import chunked_weighted_ce
+from pipeline.config import Config, DrafterConfig, TrainConfig
+from pipeline.dflash2_train import build_drafter, drafter_loss
+from pipeline.drafter import DrafterArch
 from pipeline.masks import build_blocks, dense_mask, make_attend, sample_anchors
+
+TINY = dict(seq=256, anchors=16, vocab=1000, layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, selector_rank=16)  # --tiny: a CPU-sized check of the script
 
 
 def useful_flops(a: DrafterArch, S: int, Q: int, rows: int, vocab: int, visible_pairs: dict) -> float:
@@ -37,7 +42,16 @@ def useful_flops(a: DrafterArch, S: int, Q: int, rows: int, vocab: int, visible_
         attn = 2 * 2 * visible_pairs[t] * d * h
         per_layer += 3 * (lin + attn)
     head = 2 * rows * H * vocab * 2  # logits + input gradient
+    if hasattr(a, "selector_rank"):  # DFlash 2: kernel projections (2 per layer) and the selector's matmuls
+        per_layer += len(a.layer_types) * 2 * 3 * 2 * Q * H * (2 * a.conv_kernel_size * a.conv_groups)
+        K, r = a.selector_top_k, a.selector_rank
+        head += 3 * 2 * rows * (H * r + K * H + K * r)  # P(h), the candidates' unary logits, the edge scores
     return fc + per_layer + head
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -55,36 +69,46 @@ def main() -> None:
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--compile", choices=["layers", "whole"], default="layers", help="regional (dflash train) or whole")
+    ap.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash", help="drafter.arch (DFlash 2: issue 20)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (with --tiny --modes sdpa: a smoke test)")
+    ap.add_argument("--tiny", action="store_true", help=f"a tiny shape instead of the 27B one: {TINY}")
     a = ap.parse_args()
+    shape = {k: v for k, v in TINY.items() if k not in vars(a)} if a.tiny else {}
+    if a.tiny:
+        a.seq, a.anchors, a.vocab, a.layers = TINY["seq"], TINY["anchors"], TINY["vocab"], TINY["layers"]
     if a.cache_dir:
         from pipeline.preflight import use_compile_cache
 
         use_compile_cache(a.cache_dir)
         print(f"compile cache {a.cache_dir}: {'warm' if os.path.isdir(os.path.join(a.cache_dir, 'inductor')) else 'cold'}")
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
     types = ["sliding_attention"] * (a.layers - 1) + ["full_attention"]
-    cfg = DrafterConfig(num_hidden_layers=a.layers, layer_types=types, sliding_window=2048, block_size=16)
-    arch = DrafterArch.from_config(cfg, [1, 16, 31, 46, 61])
-    drafter = DFlashDrafter(arch).to(dev)
+    cfg = Config(drafter=DrafterConfig(num_hidden_layers=a.layers, layer_types=types, sliding_window=2048,
+                                       block_size=16, arch=a.arch, **shape), train=TrainConfig(loss_chunk_rows=a.chunk))
+    with torch.device(dev):
+        drafter = build_drafter(cfg, [1, 16, 31, 46, 61], a.vocab)  # what `dflash train` builds
+    arch = drafter.arch
     H = arch.hidden_size
-    embed = torch.randn(a.vocab, H, device=dev, dtype=torch.bfloat16) * 0.02
-    head = torch.randn(a.vocab, H, device=dev, dtype=torch.bfloat16) * 0.02
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # CPU: fp32, no autocast
+    embed = torch.randn(a.vocab, H, device=dev, dtype=dtype) * 0.02
+    head = torch.randn(a.vocab, H, device=dev, dtype=dtype) * 0.02
     g = torch.Generator().manual_seed(0)
     S, bs = a.seq, 16
     tokens = torch.randint(0, a.vocab, (1, S), generator=g).to(dev)
     loss_mask = torch.ones(1, S, dtype=torch.bool, device=dev)
     loss_mask[:, :200] = False
     anchors = sample_anchors(loss_mask[0].cpu(), a.anchors, g)[None].to(dev)
-    feats = (torch.randn(1, S, 5 * H, generator=g) * 0.5).to(dev, torch.bfloat16)
+    feats = (torch.randn(1, S, 5 * H, generator=g) * 0.5).to(dev, dtype)
     blocks = build_blocks(tokens, loss_mask, anchors, bs, 248070 % a.vocab, 7.0)
     Q = anchors.shape[1] * bs
     rows = int((blocks.labels >= 0).sum())
     vis = {t: int(dense_mask(anchors, bs, S, window=(2048 if t == "sliding_attention" else None)).sum())
            for t in set(types)}
     flops = useful_flops(arch, S, Q, rows, a.vocab, vis)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda")
     ctx_pos = torch.arange(S, device=dev)[None]
-    results = {"useful_tflop_per_step": flops / 1e12, "rows": rows, "Q": Q, "S": S,
+    results = {"arch": a.arch, "params": sum(p.numel() for p in drafter.parameters()),
+               "useful_tflop_per_step": flops / 1e12, "rows": rows, "Q": Q, "S": S,
                "sparsity": {t: 1 - v / (Q * (S + Q)) for t, v in vis.items()}, "modes": {}}
     if a.attention_only:
         results["attention"] = attention_only(arch, anchors, bs, S, types, vis, a.peak_tflops)
@@ -96,15 +120,16 @@ def main() -> None:
 
     mask_kw = dict(anchors=anchors, block_size=bs, ctx_len=S, layer_types=types, sliding_window=2048,
                    seq_lens=torch.tensor([S], device=dev))
-    for _ in range(3):
-        make_attend("flex", **mask_kw)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        make_attend("flex", **mask_kw)  # both layer types' BlockMasks, as every step builds them
-    torch.cuda.synchronize()
-    results["mask_build_ms"] = (time.perf_counter() - t0) / 20 * 1e3
-    print(f"block masks for one step ({len(set(types))} layer types): {results['mask_build_ms']:.2f} ms")
+    if dev.type == "cuda":
+        for _ in range(3):
+            make_attend("flex", **mask_kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            make_attend("flex", **mask_kw)  # both layer types' BlockMasks, as every step builds them
+        torch.cuda.synchronize()
+        results["mask_build_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+        print(f"block masks for one step ({len(set(types))} layer types): {results['mask_build_ms']:.2f} ms")
 
     for mode in a.modes.split(","):
         model = drafter
@@ -112,16 +137,17 @@ def main() -> None:
             model = torch.compile(drafter)
         elif mode == "flex":
             drafter.compile_layers()  # what `dflash train` does
-        torch.cuda.reset_peak_memory_stats()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
 
         def step():
             attend = make_attend(mode, anchors=anchors, block_size=bs, ctx_len=S, layer_types=types,
                                  sliding_window=2048, seq_lens=torch.tensor([S], device=dev))
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 ctx = drafter.project_context(feats)
                 emb = F.embedding(blocks.input_ids, embed)
                 h = model(emb, ctx, blocks.positions, ctx_pos, attend)
-                loss_sum, _ = chunked_weighted_ce(h, head, blocks.labels, blocks.weights, a.chunk)
+                loss_sum, _, _ = drafter_loss(drafter, h, head, blocks, tokens, cfg.train)  # DFlash or DFlash 2
             (loss_sum / blocks.weights.sum()).backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
@@ -129,7 +155,7 @@ def main() -> None:
 
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync(dev)
         first = time.perf_counter() - t0
         try:  # where the first step's time went (dynamo / aot / inductor phases)
             ctimes = dyn_utils.compile_times(repr="str", aggregate=True)[:3000] if mode == "flex" else ""
@@ -137,21 +163,21 @@ def main() -> None:
             ctimes = f"compile_times unavailable: {e}"
         print(ctimes)
         step()
-        torch.cuda.synchronize()
+        sync(dev)
         frames = sum(dyn_utils.counters["frames"].values())
         t0 = time.perf_counter()
         for _ in range(a.steps):
             step()
-        torch.cuda.synchronize()
+        sync(dev)
         dt = (time.perf_counter() - t0) / a.steps
         recompiles = sum(dyn_utils.counters["frames"].values()) - frames
         if a.profile:
             profile(step)
         results["modes"][mode] = {"step_ms": dt * 1e3, "first_step_s": first, "mfu": flops / dt / (a.peak_tflops * 1e12),
                                   "samples_s": 1 / dt, "tokens_s": S / dt,
-                                  "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+                                  "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
                                   "frames_compiled_after_warmup": recompiles, "compile_times": ctimes}
-    print(f"\nDFlash step: {a.layers} layers, S={S}, {a.anchors} anchors x {bs}, vocab {a.vocab}; "
+    print(f"\n{a.arch} step ({results['params'] / 1e6:.1f}M parameters): {a.layers} layers, S={S}, {a.anchors} anchors x {bs}, vocab {a.vocab}; "
           f"useful {flops / 1e12:.1f} TFLOP/step; mask sparsity {results['sparsity']}")
     print(f"{'mode':<8}{'step ms':>9}{'MFU':>7}{'samples/s':>11}{'tokens/s':>10}{'first step s':>14}{'peak GiB':>10}"
           f"{'recompiles':>12}")

@@ -88,6 +88,15 @@ class DrafterConfig:
     sliding_window: Optional[int] = None
     block_size: int = 16
     mask_token_id: int = 248070
+    # DFlash 2 (arch: dflash2; pipeline/drafter2.py). Defaults are the published 27B drafter's.
+    arch: str = "dflash"  # dflash | dflash2 (dynamic convolutions + candidate selector)
+    conv_kernel_size: int = 2  # taps of the grouped dynamic convolution, within one block
+    conv_group_size: int = 16  # channels sharing one dynamic kernel value (must divide hidden_size)
+    selector_rank: int = 256  # rank of the selector's predecessor/successor codebooks
+    selector_top_k: int = 16  # candidates per slot the selector walks through
+    output_multiplier: float = 1.0  # unary logits = output_multiplier * (h @ lm_head^T) ...
+    final_logit_softcapping: Optional[float] = None  # ... then cap * tanh(logits / cap) when set
+    init_from: Optional[str] = None  # dflash2: initialise the backbone from a trained DFlash export directory
 
 
 @dataclass
@@ -102,6 +111,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     num_anchors: int = 512
     gamma: Optional[float] = None  # loss decay over block slots; None: the paper's value for drafter.block_size
+    selector_loss_alpha: float = 1.0  # dflash2: weight of the selector's K-way cross-entropy (0: no selector)
     batch_size: int = 1  # sequences per micro-batch per rank
     accumulate_grad_batches: int = 1
     loss_chunk_rows: int = 4096  # rows of logits materialised at once
@@ -166,6 +176,7 @@ _CHOICES = {
     ("train", "precision"): ("bf16-mixed", "32-true", "bf16-true"),
     ("target", "dtype"): ("bfloat16", "float16", "float32"),
     ("target", "cpu_dtype"): ("bfloat16", "float32"),
+    ("drafter", "arch"): ("dflash", "dflash2"),
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -267,6 +278,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"{src}: drafter.num_attention_heads must be a multiple of drafter.num_key_value_heads")
     if d.block_size < 2:
         raise ConfigError(f"{src}: drafter.block_size must be at least 2")
+    if d.arch == "dflash2":
+        _validate_dflash2(cfg)
     positive = [
         ("data", "max_length"), ("store", "chunk_tokens"), ("extract", "shards"), ("extract", "token_budget"),
         ("extract", "max_batch_size"), ("train", "epochs"), ("train", "num_anchors"), ("train", "batch_size"),
@@ -296,6 +309,26 @@ def _validate_regenerate(r: RegenerateConfig, src: str) -> None:
     for key in ("top_k", "retries", "retry_backoff", "seed"):
         if getattr(r, key) < 0:
             raise ConfigError(f"{src}: regenerate.{key} must be >= 0")
+
+
+def _validate_dflash2(cfg: Config) -> None:
+    """The DFlash 2 keys (only checked when drafter.arch is dflash2)."""
+    src, d = cfg.source, cfg.drafter
+    if not 1 <= d.conv_kernel_size <= d.block_size:
+        raise ConfigError(f"{src}: drafter.conv_kernel_size = {d.conv_kernel_size} must be between 1 and "
+                          f"drafter.block_size ({d.block_size}): the convolution stays inside one block")
+    if d.conv_group_size <= 0 or d.hidden_size % d.conv_group_size:
+        raise ConfigError(f"{src}: drafter.conv_group_size = {d.conv_group_size} must divide drafter.hidden_size "
+                          f"({d.hidden_size})")
+    for key in ("selector_rank", "selector_top_k"):
+        if getattr(d, key) <= 0:
+            raise ConfigError(f"{src}: drafter.{key} must be positive")
+    if d.output_multiplier <= 0:
+        raise ConfigError(f"{src}: drafter.output_multiplier must be positive (it scales the unary logits)")
+    if d.final_logit_softcapping is not None and d.final_logit_softcapping <= 0:
+        raise ConfigError(f"{src}: drafter.final_logit_softcapping must be positive, or null for none")
+    if cfg.train.selector_loss_alpha < 0:
+        raise ConfigError(f"{src}: train.selector_loss_alpha must be >= 0")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

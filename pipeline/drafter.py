@@ -219,11 +219,13 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    layer_cls = DecoderLayer  # a subclass may wrap the layer (drafter2.py), keeping its call signature
+
     def __init__(self, arch: DrafterArch):
         super().__init__()
         self.arch = arch
         H = arch.hidden_size
-        self.layers = nn.ModuleList([DecoderLayer(arch, i) for i in range(arch.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_cls(arch, i) for i in range(arch.num_hidden_layers)])
         self.fc = nn.Linear(arch.num_features * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
         self.norm = RMSNorm(H, arch.rms_norm_eps)
@@ -288,7 +290,8 @@ def draft_blocks(
     "right after the context", the serving case) and anchor_ids [A] (the token at each anchor). The block
     of anchor p sees exactly the context positions < p: the same geometry as training, so drafting with
     several anchors at once equals drafting each one with features[:p].
-    Returns draft ids [A, bs-1] (slot k = 1..bs-1 guesses token p+k), plus fp32 logits [A, bs-1, V] if asked.
+    Returns draft ids [A, bs-1] (slot k = 1..bs-1 guesses token p+k), plus fp32 logits [A, bs-1, V] if asked
+    (for a DFlash 2 drafter the ids are its selector's walk and the logits its unary head's, untransformed).
     """
     arch: DrafterArch = drafter.arch
     bs = block_size or arch.block_size
@@ -313,5 +316,6 @@ def draft_blocks(
     )
     h = drafter(block_embeds, ctx, q_pos, ctx_pos, attend).view(A, bs, -1)[:, 1:]  # [A, bs-1, H]
     logits = (h.to(lm_head_weight.dtype) @ lm_head_weight.t()).float()  # [A, bs-1, V]
-    draft = logits.argmax(-1)
+    # a drafter with its own decision rule (DFlash 2's selector walk from the anchor token) picks the tokens
+    draft = drafter.select(h, logits, ids[:, 0]) if hasattr(drafter, "select") else logits.argmax(-1)
     return (draft, logits) if return_logits else draft

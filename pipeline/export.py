@@ -131,6 +131,13 @@ def export_drafter(
     num_target_layers and vocab_size describe the target (its layer count and vocabulary). dtype: the saved
     weights' dtype. for_sglang: omit auto_map (SGLang rejects it); the modeling files are still written.
     """
+    if hasattr(drafter, "candidate_selector"):  # DFlash 2: its own contract (pipeline/export2.py)
+        from .export2 import export_dflash2
+
+        given = {"target_layer_ids": target_layer_ids, "mask_token_id": mask_token_id, "block_size": block_size}
+        return export_dflash2(drafter, out_dir, vocab_size=vocab_size, num_target_layers=num_target_layers,
+                              tie_word_embeddings=tie_word_embeddings, dtype=dtype, for_sglang=for_sglang,
+                              extra_metadata=extra_metadata, **{k: v for k, v in given.items() if v is not None})
     arch = arch or drafter.arch
     _check("target_layer_ids", list(target_layer_ids) if target_layer_ids is not None else None,
            arch.target_layer_ids)
@@ -166,6 +173,10 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     meta = json.loads((path / "config.json").read_text())
     if "partial_rotary_factor" in meta:
         raise ValueError(f"{path}/config.json has partial_rotary_factor: the drafter uses full rotary embeddings")
+    if "DFlash2DraftModel" in (meta.get("architectures") or []):  # DFlash 2 (pipeline/export2.py)
+        from .export2 import load_exported2
+
+        return load_exported2(path, meta, device, dtype)
     arch = DrafterArch.from_exported(meta)
     state = load_file(str(path / "model.safetensors"))
     expected = contract_keys(arch.num_hidden_layers)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.drafter import DFlashDrafter, DrafterArch
+from pipeline.drafter import DFlashDrafter
+from pipeline.drafter2 import build_from_arch_dict
 from pipeline.export import export_drafter
 
 
@@ -21,8 +22,7 @@ def load_checkpoint_drafter(ckpt_path: str, device: str | torch.device = "cpu") 
     meta = ckpt.get("dflash")
     if meta is None:
         raise FileNotFoundError(f"{ckpt_path} is not a dflash training checkpoint (no 'dflash' metadata)")
-    arch = DrafterArch(**meta["arch"])
-    drafter = DFlashDrafter(arch)
+    drafter = build_from_arch_dict(meta["arch"])  # DFlash or DFlash 2, as recorded
     state = {k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     drafter.load_state_dict(state)
     return drafter.to(device).eval(), meta

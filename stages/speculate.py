@@ -20,7 +20,8 @@ Contract (used by `dflash eval --online` and the tests):
   The evaluation counts any difference as a bug.
 - `draft_fn(context [p, L*H], p, last_id) -> list[int]` is pluggable (its `reset()`, if any, is called at the
   start of each sequence); `dflash_draft_fn` is the DFlash drafter (`draft_blocks`' math with the projected
-  context cached across steps), tests plug in oracles.
+  context cached across steps; a DFlash 2 drafter picks its tokens with its selector walk, `select`), tests
+  plug in oracles.
 """
 
 from __future__ import annotations
@@ -216,7 +217,10 @@ class DFlashDraftFn:
         attend = make_attend("sdpa", anchors=torch.tensor([[pos]], device=dev), block_size=bs, ctx_len=pos,
                              layer_types=arch.layer_types, sliding_window=arch.sliding_window)
         h = self.drafter(block_embeds, self.ctx, q_pos, ctx_pos, attend)[0, 1:]  # [bs-1, H]
-        return (h.to(self.head.dtype) @ self.head.t()).argmax(-1).tolist()
+        logits = h.to(self.head.dtype) @ self.head.t()  # [bs-1, V]
+        if hasattr(self.drafter, "select"):  # DFlash 2: its selector walks the top-K from the verified token
+            return self.drafter.select(h[None], logits[None], ids[0, :1])[0].tolist()
+        return logits.argmax(-1).tolist()
 
 
 def dflash_draft_fn(drafter: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor) -> DFlashDraftFn:

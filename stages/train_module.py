@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import Config
-from pipeline.drafter import DFlashDrafter, DrafterArch
+from pipeline.dflash2_train import build_drafter, drafter_loss
 from pipeline.encoding import decode
-from pipeline.loss import chunked_weighted_ce, normalised_loss
+from pipeline.loss import normalised_loss
 from pipeline.masks import build_blocks, make_attend
 
 
@@ -47,8 +47,8 @@ class DrafterTask(L.LightningModule):
         super().__init__()
         self.cfg, self.layer_ids, self.vocab_size = cfg, list(layer_ids), vocab_size
         self.head_path, self.encoding, self.steps_per_epoch = head_path, encoding, steps_per_epoch
-        self.arch = DrafterArch.from_config(cfg.drafter, layer_ids)
-        self.drafter = DFlashDrafter(self.arch)
+        self.drafter = build_drafter(cfg, layer_ids, vocab_size)  # drafter.arch: dflash | dflash2
+        self.arch = self.drafter.arch
         self.bs = cfg.drafter.block_size
         self._embed: Optional[torch.Tensor] = None
         self._head: Optional[torch.Tensor] = None
@@ -111,14 +111,13 @@ class DrafterTask(L.LightningModule):
         ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)
         ctx = self.drafter.project_context(feats)  # [B, S, H]
         hidden = self.drafter(block_embeds, ctx, blocks.positions, ctx_pos, attend)  # [B, Q, H]
-        rows = hidden.reshape(-1, hidden.shape[-1])
         labels, weights = blocks.labels.reshape(-1), blocks.weights.reshape(-1)
-        loss_sum, correct = chunked_weighted_ce(rows, self._head, labels, weights, self.cfg.train.loss_chunk_rows)
+        loss_sum, correct, extra = drafter_loss(self.drafter, hidden, self._head, blocks, tokens, cfg.train)
         slot = torch.arange(self.bs, device=tokens.device).repeat(B * anchors.shape[1])
         valid = labels >= 0
         counts = torch.zeros(self.bs, device=tokens.device).index_add_(0, slot[valid], torch.ones_like(slot[valid], dtype=torch.float32))
         hits = torch.zeros(self.bs, device=tokens.device).index_add_(0, slot[valid], correct[valid].float())
-        stats = {"weight_sum": weights.sum().float(), "counts": counts, "hits": hits}
+        stats = {"weight_sum": weights.sum().float(), "counts": counts, "hits": hits, "extra": extra}
         return loss_sum, stats
 
     def _global_weight(self, loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -149,6 +148,7 @@ class DrafterTask(L.LightningModule):
                        "train/tau": tau_from_slot_acc(acc.detach().cpu()),
                        "train/acc_slot1": acc[0].detach()}, prog_bar=True, on_step=True, batch_size=B)
         self.log("train/tokens", float(batch["seq_lens"].sum()), on_step=True, reduce_fx="sum", batch_size=B)
+        self.log_dict({f"train/{k}": v for k, v in stats["extra"].items()}, on_step=True, batch_size=B)  # dflash2
         return loss
 
     def on_validation_epoch_start(self) -> None:
