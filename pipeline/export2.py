@@ -12,7 +12,7 @@
                            .weight [r, H], predecessor_codebook [V, r], successor_codebook [V, r]}
       modeling_dflash2.py  transformers wrapper (trust_remote_code): DFlash's wrapper (modeling_dflash.py, written
                            alongside) with the DFlash 2 modules and `select` (the serving walk)
-      drafter.py, drafter2.py, masks.py   verbatim copies (the same math as training)
+      drafter.py, drafter2.py, masks.py, target_cache.py   verbatim copies (the same math as training)
 Contract sources: see pipeline/drafter2.py's docstring (z-lab's checkpoint header and config, vLLM PR #52816,
 SGLang PR #35371's loader names, SpecForge PR #772's export).
 """
@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter2 import DFLASH2_KEYS, DFlash2Arch, DFlash2Drafter
-from .export import _DTYPES, _SRC, MODELING_FILE, _check, contract_keys, hf_config_dict
+from .export import _DTYPES, _SRC, MODELING_FILE, MODELING_HELPERS, _check, contract_keys, hf_config_dict
 
 ARCHITECTURE = "DFlash2DraftModel"
 _CONV_KEYS = ("base_kernel", "kernel_projection.weight")
@@ -121,7 +121,7 @@ def export_dflash2(drafter: DFlash2Drafter, out_dir: str | Path, *, vocab_size: 
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "modeling_dflash.py").write_text(MODELING_FILE)
     (out / "modeling_dflash2.py").write_text(MODELING_FILE2)
-    for name in ("drafter.py", "drafter2.py", "masks.py"):
+    for name in (*MODELING_HELPERS, "drafter2.py"):  # modeling_dflash.py's own helpers, and the DFlash 2 math
         shutil.copyfile(_SRC / name, out / name)
     if extra_metadata is not None:
         (out / "dflash_meta.json").write_text(json.dumps(extra_metadata, indent=2, default=str) + "\n")
