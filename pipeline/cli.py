@@ -124,18 +124,22 @@ def extract(config_path, overrides, shards, gpus, shard_index, store):
 @click.option("--no-export", is_flag=True, help="Skip exporting the drafter at the end.")
 @click.option("--rebuild-compile-cache", is_flag=True, help="Empty the torch.compile cache of this drafter shape before starting "
               "(kept in $DFLASH_COMPILE_CACHE or ~/.cache/dflash/compile, shared by runs).")
-def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache):
+@click.option("--follow", is_flag=True, help="Train while `dflash extract` still writes the store (waits for it to "
+              "appear); an unfinished store is followed anyway.")
+def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache, follow):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
     The target checkpoint is never loaded: rerun with other hyperparameters on the same store for free.
+    On a store still being written, training follows the extraction: it starts once one optimizer step's
+    samples are committed, waits when it has caught up, and ends after train.epochs over the final store.
     """
     from stages.train import run_train
 
     cfg = _load(config_path, overrides)
     gpu_list = _gpu_list(gpus)
     _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
-         rebuild_compile_cache=rebuild_compile_cache)
+         rebuild_compile_cache=rebuild_compile_cache, follow=follow)
 
 
 @main.command()

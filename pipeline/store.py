@@ -190,6 +190,7 @@ class Progress:
     plan_fingerprint: str = ""
     planned_samples: int = 0
     planned_tokens: int = 0
+    validation_batches: int = -1  # the plan's first batches holding the validation samples (-1: not recorded)
 
     @classmethod
     def from_attrs(cls, attrs: dict) -> "Progress":
@@ -237,8 +238,11 @@ class ShardWriter:
         self.group = g
         self.progress = Progress.from_attrs(dict(g.attrs))
 
-    def start(self, plan_fingerprint: str, planned_samples: int, planned_tokens: int) -> Progress:
-        """Record the shard's batch plan; refuse to resume a shard that was planned differently."""
+    def start(self, plan_fingerprint: str, planned_samples: int, planned_tokens: int,
+              validation_batches: int = -1) -> Progress:
+        """Record the shard's batch plan; refuse to resume a shard that was planned differently.
+        `validation_batches`: how many leading batches of the plan hold the validation samples (a training run
+        that follows the growing store reads the validation split once they are committed)."""
         p = self.progress
         if p.plan_fingerprint and p.plan_fingerprint != plan_fingerprint:
             raise StoreError(
@@ -247,6 +251,7 @@ class ShardWriter:
             )
         if not p.plan_fingerprint:
             p.plan_fingerprint, p.planned_samples, p.planned_tokens = plan_fingerprint, planned_samples, planned_tokens
+            p.validation_batches = validation_batches
             self._commit()
         return p
 
@@ -300,13 +305,14 @@ class ShardWriter:
 # ----------------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampleRef:
     shard: int
     start: int
     length: int
     sample_id: int
     split: int
+    row: int = -1  # the sample's row in its shard (set by `committed_refs`)
 
 
 class StoreReader:
@@ -360,14 +366,52 @@ class StoreReader:
     def read(self, index: int) -> dict[str, np.ndarray]:
         """One sample: tokens int32 [S], loss_mask uint8 [S] and the encoding's parts (features, ...) [S, ...]."""
         r = self.samples[index]
-        sl = slice(r.start, r.start + r.length)
-        return {name: self._array(r.shard, name)[sl] for name in token_arrays(self.encoding)}
+        return self.read_rows(r.shard, r.start, r.length)
 
-    def _array(self, shard: int, name: str):
+    def read_rows(self, shard: int, start: int, length: int) -> dict[str, np.ndarray]:
+        """Token rows [start, start + length) of a shard: a sample found by `committed_refs` after this reader
+        opened (a store still being written), or one of `samples`."""
+        sl = slice(start, start + length)
+        return {name: self._array(shard, name, sl.stop)[sl] for name in token_arrays(self.encoding)}
+
+    def _array(self, shard: int, name: str, rows: int = 0):
         key = (shard, name)
-        if key not in self._arrays:
-            self._arrays[key] = self.shards[shard][name]
-        return self._arrays[key]
+        arr = self._arrays.get(key)
+        if arr is None or arr.shape[0] < rows:  # first use, or the shard grew since this reader opened it
+            if shard not in self.shards:
+                self.shards[shard] = _zarr().open_group(self.path, mode="r")[shard_name(shard)]
+            arr = self._arrays[key] = self.shards[shard][name]  # reads the array's metadata afresh
+        return arr
+
+
+def _shard_group(path: str, shard: int):
+    try:
+        return _zarr().open_group(path, mode="r")[shard_name(shard)]
+    except KeyError:
+        return None
+
+
+def shard_progress(path: str, shard: int) -> Optional[Progress]:
+    """A shard's commit record, read afresh; None while the shard has not started."""
+    g = _shard_group(path, shard)
+    return None if g is None else Progress.from_attrs(dict(g.attrs))
+
+
+def committed_refs(path: str, shard: int, from_row: int = 0) -> tuple[Optional[Progress], list[SampleRef]]:
+    """A shard's commit record and its committed samples from row `from_row` on, read afresh: how training
+    follows a store that extraction is still writing. (None, []) while the shard has not started. Rows are
+    trusted up to `progress.committed_samples` only (see the commit protocol above)."""
+    g = _shard_group(path, shard)
+    if g is None:
+        return None, []
+    prog = Progress.from_attrs(dict(g.attrs))
+    n = prog.committed_samples
+    if n <= from_row:
+        return prog, []
+    starts, lengths = g["sample_start"][from_row:n], g["sample_length"][from_row:n]
+    ids, splits = g["sample_id"][from_row:n], g["split"][from_row:n]
+    return prog, [SampleRef(shard, int(s), int(l), int(d), int(sp), from_row + k)
+                  for k, (s, l, d, sp) in enumerate(zip(starts, lengths, ids, splits))]
 
 
 def frozen_head_path(store_path: str) -> str:
