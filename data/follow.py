@@ -10,8 +10,8 @@ Contract:
   A sample can join the stream once every shard that could still put an earlier one there has committed
   past it; a shard that has not started, or stopped, holds the stream up.
 - Waiting: when the stream runs short, `stream_batch` polls the store (0.2 s rising to 2 s), and rank 0
-  prints what it waits for every 30 s: samples needed and usable, the shard holding the stream up, and
-  the extraction's last status. It never gives up: training waits while extraction is stopped and goes
+  prints what it waits for after 5 s and then every 30 s: samples needed and usable, the shard holding the
+  stream up, and the extraction's last status. It never gives up: training waits while extraction is stopped and goes
   on when extraction is resumed (Ctrl-C stops the training as usual).
 - Validation: extraction writes each shard's validation samples first (stages/extract_worker.py records how
   many batches they fill), so the whole validation split is readable after the shards' first batches.
@@ -24,11 +24,22 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from pipeline import store as st
 
-WAIT_REPORT_S = 30.0
+WAIT_FIRST_REPORT_S, WAIT_REPORT_S = 5.0, 30.0  # short waits at the frontier stay quiet
+
+
+class StreamSlot(NamedTuple):
+    """Slot j of global batch g of the stream (batches of `size`), whose round ends at global batch `round_end`.
+    The sampler deals slots without waiting; a loader worker resolves them (`GrowingStore.resolve`), so the
+    DataLoader's prefetching never holds back a batch that is already readable."""
+
+    g: int
+    j: int
+    size: int
+    round_end: int
 
 
 class GrowingStore:
@@ -103,11 +114,19 @@ class GrowingStore:
         self.wait_for(min(round_end * batch_size, self.planned))
         return self.stream[g * batch_size : (g + 1) * batch_size]
 
+    def resolve(self, slot: StreamSlot) -> tuple[Optional[st.SampleRef], bool]:
+        """(sample, filler) at a stream slot, once its round is readable: (None, False) past a short last batch;
+        the shortest sample as a filler for the first slot of a batch past the stream's end."""
+        batch = self.stream_batch(slot.g, slot.size, slot.round_end)
+        if slot.j < len(batch):
+            return batch[slot.j], False
+        return (self.filler(), True) if not batch and slot.j == 0 else (None, False)
+
     def all(self) -> tuple[list[st.SampleRef], list[int]]:
-        """The finished store's training samples, ordered by sample id (as a run on a finished store has them)."""
+        """The finished store's training samples, ordered by sample id (as a run on a finished store has them);
+        waits for the last shards to mark themselves done (an epoch after the stream's)."""
         if self._final is None:
-            if not self.final:
-                raise st.StoreError(f"{self.path}: the store is not finished yet")
+            self.wait_for(None)
             refs = sorted(self.stream, key=lambda r: r.sample_id)
             self._final = (refs, [r.length for r in refs])
         return self._final
@@ -138,13 +157,17 @@ class GrowingStore:
         """Block until the validation split and the first `samples` training samples are readable."""
         self.wait_for(min(samples, self.planned), validation=True)
 
-    def wait_for(self, samples: int, validation: bool = False) -> None:
+    def wait_for(self, samples: Optional[int], validation: bool = False) -> None:
+        """Block until the stream holds `samples` (None: until the store is finished) or the store is finished,
+        and, with `validation`, the validation split is committed."""
         def ready() -> bool:
-            return (len(self.stream) >= samples or self.final) and (not validation or self.validation_ready())
+            enough = self.final or (samples is not None and len(self.stream) >= samples)
+            return enough and (not validation or self.validation_ready())
 
         if ready() or (self.refresh() and ready()):
             return
-        delay, started, last = 0.2, time.time(), 0.0
+        delay, started = 0.2, time.time()
+        last = started - WAIT_REPORT_S + WAIT_FIRST_REPORT_S
         while not ready():
             if time.time() - last >= WAIT_REPORT_S:
                 last = time.time()
@@ -153,7 +176,7 @@ class GrowingStore:
             time.sleep(delay)
             delay = 0.2 if self.refresh() else min(2.0, delay * 1.5)
 
-    def waiting_line(self, samples: int, waited: float) -> str:
+    def waiting_line(self, samples: Optional[int], waited: float) -> str:
         have = len(self.stream)
         committed = sum(p.committed_samples for p in self.progress if p is not None)
         why = ""
@@ -161,9 +184,10 @@ class GrowingStore:
             i, p = self.blocked, self.progress[self.blocked]
             done = 0 if p is None else p.committed_samples
             why = (f"; shard {i} holds it up ({'not started' if p is None else f'{done}/{self.planned_rows[i]} samples'})")
-        return (f"train: waiting for extraction ({waited:.0f} s so far): the next batches need {samples} training "
-                f"samples in commit order, {have} are readable ({committed} samples committed in all){why}; "
-                f"{extraction_state(self.path)}")
+        need = ("the next epoch needs the finished store" if samples is None else
+                f"the next batches need {samples} training samples in commit order")
+        return (f"train: waiting for extraction ({waited:.0f} s so far): {need}, {have} are readable "
+                f"({committed} samples committed in all){why}; {extraction_state(self.path)}")
 
 
 def extraction_state(store: str) -> str:
@@ -186,13 +210,16 @@ def wait_for_store(path: str, say: Callable[[str], None] = None) -> dict:
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
     started, last, attrs = time.time(), 0.0, None
     while True:
-        attrs = st.read_root_attrs(path)
+        try:
+            attrs, problem = st.read_root_attrs(path), ""
+        except st.StoreError as e:  # being created: a directory, then the group, then its attributes
+            attrs, problem = None, f" ({e})"
         if attrs is not None and st.exists(st.frozen_head_path(path)):
             return attrs
         if time.time() - last >= WAIT_REPORT_S:
             last = time.time()
             what = "the store" if attrs is None else "its frozen head (written by the first extraction worker)"
-            say(f"train: waiting for {what} at {path} ({time.time() - started:.0f} s so far); "
+            say(f"train: waiting for {what} at {path}{problem} ({time.time() - started:.0f} s so far); "
                 f"{extraction_state(path)}")
         time.sleep(1.0)
 

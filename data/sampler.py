@@ -25,6 +25,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from data.follow import StreamSlot
+
 
 def window_plan(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, shuffle: bool = True,
                 group_factor: int = 32) -> list[list[int]]:
@@ -95,9 +97,10 @@ class RankBatchSampler(torch.utils.data.Sampler):
     # -- sizes ----------------------------------------------------------------------------------------------
     def global_batches(self, epoch: int, planned: bool = False) -> int:
         """K: global batches of `epoch`. Stream epochs (and `planned`) count the store's planned samples; an
-        epoch that ends short of them (samples dropped for NaN features) is completed with fillers."""
-        stream = epoch in self.stream_epochs
-        n = self.source.planned if stream or planned or not self.source.final else len(self.source.all()[0])
+        epoch that ends short of them (samples dropped for NaN features) is completed with fillers. Other epochs
+        count the finished store's samples (for a later epoch of a growing store: planned until it finished)."""
+        counted = epoch not in self.stream_epochs and not planned and (self.source.final or epoch == self.epoch)
+        n = len(self.source.all()[0]) if counted else self.source.planned
         return max(1, math.ceil(n / self.batch_size))
 
     def epoch_length(self, epoch: int, planned: bool = False) -> int:
@@ -145,10 +148,10 @@ class RankBatchSampler(torch.utils.data.Sampler):
         plan = None if stream else self._window(e)
         for i in range(math.ceil(max(0, K - p0) / W)):
             g = p0 + i * W + self.rank
-            if stream:  # waits until the whole round is committed: every rank is released together
-                batch = self.source.stream_batch(g, self.batch_size, round_end=p0 + (i + 1) * W)
-            else:
-                batch = [keys[j] for j in plan[g]] if g < len(plan) else []
+            if stream:  # slots a loader worker resolves once the whole round is committed (data/follow.py)
+                yield [(StreamSlot(g, j, self.batch_size, p0 + (i + 1) * W), e, False) for j in range(self.batch_size)]
+                continue
+            batch = [keys[j] for j in plan[g]] if g < len(plan) else []
             if batch:
                 yield [(k, e, False) for k in batch]
             else:  # the epoch's last round: this rank has no batch left, it trains a zero-weight filler

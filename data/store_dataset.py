@@ -21,6 +21,7 @@ import itertools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Callable, Iterator, Optional
@@ -28,6 +29,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from data.follow import GrowingStore, StreamSlot
 from data.sampler import FixedSamples, RankBatchSampler  # noqa: F401 - re-exported: the loader's sampler
 from pipeline.encoding import from_storage, part_names
 from pipeline.masks import sample_anchors
@@ -36,11 +38,25 @@ from pipeline.store import SampleRef, StoreReader
 
 class StoreDataset(torch.utils.data.Dataset):
     def __init__(self, store_path: str, indices: list[int], num_anchors: int, seed: int,
-                 lengths: Optional[list[int]] = None, fixed_anchors: bool = False, growing: bool = False):
+                 lengths: Optional[list[int]] = None, fixed_anchors: bool = False, growing: bool = False,
+                 wait_log: Optional[str] = None):
         self.store_path, self.indices = store_path, list(indices)
         self.num_anchors, self.seed, self.fixed_anchors = num_anchors, seed, fixed_anchors
         self.lengths, self.growing = lengths, growing  # growing: the store may still be written (--follow)
+        self.wait_log = wait_log  # where a worker waiting for extraction says so (rank 0's log), besides stderr
         self._reader: Optional[StoreReader] = None
+        self._stream: Optional[GrowingStore] = None
+
+    def _say(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        with open(self.wait_log, "a") as f:
+            f.write(line + "\n")
+
+    @property
+    def stream(self) -> GrowingStore:
+        if self._stream is None:
+            self._stream = GrowingStore(self.store_path, report=self.wait_log is not None, say=self._say)
+        return self._stream
 
     @property
     def reader(self) -> StoreReader:
@@ -50,16 +66,20 @@ class StoreDataset(torch.utils.data.Dataset):
 
     def __getstate__(self):  # never pickle an open store into a worker
         state = dict(self.__dict__)
-        state["_reader"] = None
+        state["_reader"] = state["_stream"] = None
         return state
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, item) -> dict:
+    def __getitem__(self, item) -> Optional[dict]:
         if not isinstance(item, tuple):  # a bare position (benchmarks, tests)
             item = (item, 0)
         key, epoch, filler = item if len(item) == 3 else (*item, False)
+        if isinstance(key, StreamSlot):  # a following run's first epoch: waits until the slot's round is committed
+            key, filler = self.stream.resolve(key)
+            if key is None:
+                return None  # past the stream's short last batch
         ref = key if isinstance(key, SampleRef) else self.reader.samples[self.indices[key]]
         s = self.reader.read_rows(ref.shard, ref.start, ref.length)
         g = torch.Generator().manual_seed(hash((self.seed, 0 if self.fixed_anchors else epoch, ref.sample_id)) & 0x7FFFFFFF)
@@ -171,8 +191,9 @@ def accumulation_windows(batches: Iterator[dict], accumulate: int, offset: int,
         pos += len(group)
 
 
-def collate(items: list[dict], pad_multiple: int = 1, num_anchors: Optional[int] = None) -> dict:
-    """Pad a list of samples into a batch; anchors padded with -1."""
+def collate(items: list[Optional[dict]], pad_multiple: int = 1, num_anchors: Optional[int] = None) -> dict:
+    """Pad a list of samples into a batch; anchors padded with -1; None items (empty stream slots) left out."""
+    items = [it for it in items if it is not None]
     B = len(items)
     S = max(len(it["tokens"]) for it in items)
     S = int(math.ceil(S / pad_multiple) * pad_multiple)

@@ -87,7 +87,8 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
     a_mult = max(1, 128 // cfg.drafter.block_size) if pad_multiple > 1 else 1
     n_anchor = int(-(-t.num_anchors // a_mult) * a_mult)
     col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
-    train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing)
+    wait_log = str(Path(t.run_dir) / "logs" / "rank0.log") if growing and rank == 0 else None  # waits said there
+    train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log)
     sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs)
     # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock
     kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init,
@@ -127,7 +128,12 @@ def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Option
     """(root attrs, reader, stream epochs): a finished store's reader, or a growing store once it is trainable."""
     from data.follow import GrowingStore, min_start_samples, wait_for_store
 
-    attrs = st.read_root_attrs(store_path)
+    try:
+        attrs = st.read_root_attrs(store_path)
+    except st.StoreError:
+        if not follow:
+            raise
+        attrs = None  # being created by the extraction this run follows
     if attrs is None and not follow:
         raise TrainError(f"no store at {store_path}; run `dflash extract` first or pass --store PATH")
     if attrs is None or (follow and not st.exists(st.frozen_head_path(store_path))):

@@ -157,7 +157,8 @@ class DrafterTask(L.LightningModule):
             return {}
         d = {"epoch": s.epoch, "global_batches_done": s.global_done(), "global_batches": s.global_batches(s.epoch),
              "batch_size": s.batch_size, "stream_epoch": s.epoch in s.stream_epochs}
-        if hasattr(s.source, "stream"):  # a growing store (data/follow.py)
+        if hasattr(s.source, "stream"):  # a growing store (data/follow.py); its loader workers do the waiting
+            s.source.refresh()
             d.update(readable_samples=len(s.source.stream), planned_samples=s.source.planned, store_final=s.source.final)
         return d
 
