@@ -56,6 +56,12 @@ def _run(fn, *args, **kwargs) -> None:
     except ImportError:  # pragma: no cover
         pass
     try:
+        from stages.run import RunError
+
+        user_errors += (RunError,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
         from stages.train_module import NonFiniteLoss
     except ImportError:  # pragma: no cover
         NonFiniteLoss = ()  # noqa: N806
@@ -140,6 +146,26 @@ def train(config_path, overrides, gpus, devices, store, resume, no_export, rebui
     gpu_list = _gpu_list(gpus)
     _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
          rebuild_compile_cache=rebuild_compile_cache, follow=follow)
+
+
+@main.command("run")
+@config_option
+@set_option
+@click.option("--extract-gpus", default="", help="GPUs for extraction, one shard each, e.g. 0-4 (empty: CPU workers, "
+              "extract.shards of them).")
+@click.option("--train-gpus", default="", help="GPUs for the training ranks, e.g. 5-7 (empty: CPU processes).")
+@click.option("--devices", type=int, default=None, help="Without --train-gpus: number of CPU training processes.")
+@click.option("--store", default=None, help="Store path or URL (default: store.path).")
+def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
+    """Both stages on one node at once: extract on some GPUs while training follows the growing store on others.
+
+    One progress view, one Ctrl-C stops both cleanly, and the same command resumes both (extraction from its
+    commits, training from its last checkpoint). E.g. `dflash run --config C --extract-gpus 0-4 --train-gpus 5-7`.
+    """
+    from stages.run import run_node
+
+    cfg = _load(config_path, overrides)
+    _run(run_node, cfg, config_path, list(overrides), extract_gpus, train_gpus, devices, store, _command_line())
 
 
 @main.command()

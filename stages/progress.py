@@ -118,6 +118,9 @@ class ProgressLines(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception):
         if trainer.is_global_zero:
+            if isinstance(exception, (KeyboardInterrupt, SystemExit)):  # Ctrl-C, SIGTERM: resumable
+                self._write({"state": "stopped", "step": trainer.global_step, "time": time.time()})
+                return
             self._write({"state": "failed", "step": trainer.global_step, "error": f"{type(exception).__name__}: {exception}",
                          "time": time.time()})
 
