@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Optional
 
 import lightning as L
@@ -250,7 +251,7 @@ class DrafterTask(L.LightningModule):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             self._sample_log = open(path, "a", buffering=1)
         self._sample_log.write(json.dumps({"step": self.global_step, "epoch": self.current_epoch, "batch": batch_idx,
-                                           "ids": batch["sample_ids"]}) + "\n")
+                                           "ids": batch["sample_ids"], "t": round(time.time(), 3)}) + "\n")
 
     def on_validation_epoch_start(self) -> None:
         self._val = {"loss": 0.0, "w": 0.0, "hits": torch.zeros(self.bs), "counts": torch.zeros(self.bs)}
