@@ -173,3 +173,73 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
         got = [b["ids"] for b in per_rank[rk] if b["epoch"] == 0]
         want = [stream[8 * g: 8 * g + 8] or [-1] for g in range(rk, 2 * len(got), 2)]
         assert got == want, f"rank {rk}"
+
+
+def test_extraction_plan_puts_validation_first_and_mixes_lengths():
+    from stages.extract_worker import extraction_plan, plan_batches
+
+    lengths = [10 + (i * 37) % 300 for i in range(200)]
+    val = [i % 10 == 0 for i in range(200)]
+    plan, n_val = extraction_plan(lengths, val, token_budget=1200, max_batch_size=8)
+    assert [b.index for b in plan] == list(range(len(plan)))
+    assert sorted(m for b in plan for m in b.members) == list(range(200))  # every sample once
+    assert all(val[m] for b in plan[:n_val] for m in b.members) and not any(val[m] for b in plan[n_val:] for m in b.members)
+    train = [b for b in plan[n_val:]]
+    assert max(lengths[m] for m in train[0].members) == max(lengths[i] for i in range(200) if not val[i])  # longest first
+    firsts = [max(lengths[m] for m in b.members) for b in train[1:]]
+    assert firsts != sorted(firsts, reverse=True)  # the rest is not longest-to-shortest
+    for b in plan:  # still length-grouped batches within the token budget
+        assert len(b.members) * max(lengths[m] for m in b.members) <= 1200 or len(b.members) == 1
+    assert extraction_plan(lengths, val, 1200, 8)[0] == plan  # deterministic
+    assert len(plan) >= len(plan_batches(lengths, 1200, 8))
+
+
+@pytest.mark.slow
+def test_a_shard_begun_with_the_old_plan_resumes_with_it(tmp_path):
+    """A store whose shard was started by a dflash that planned longest first (and was killed after its first
+    batch) resumes with that plan, not with a 'different batch plan' error, and ends complete."""
+    import zarr
+
+    from data.ingest import ingest
+    from pipeline.config import load_config
+    from pipeline.target import load_tokenizer
+    from stages.extract_worker import plan_batches, plan_fingerprint
+
+    store = str(tmp_path / "s.zarr")
+    args = ["extract", "--config", TINY, "--shards", "2", "--store", store, "--set", "data.max_samples=60",
+            "--set", "extract.token_budget=1024"]
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = load_config(TINY, ["data.max_samples=60", "extract.token_budget=1024"])
+    mine = ingest(cfg.data, load_tokenizer(cfg.target.path))[0][0::2]
+    lengths = [len(s.input_ids) for s in mine]
+    legacy = plan_batches(lengths, 1024, cfg.extract.max_batch_size)
+    first = legacy[0].members
+    g = zarr.open_group(store, mode="a")[st.shard_name(0)]  # shard 0 as the old dflash left it: one batch in
+    g.attrs["progress"] = st.Progress(committed_batches=1, committed_samples=len(first),
+                                      committed_tokens=sum(lengths[m] for m in first),
+                                      plan_fingerprint=plan_fingerprint(legacy, [s.sample_id for s in mine]),
+                                      planned_samples=len(mine), planned_tokens=sum(lengths)).to_attrs()
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0 and "complete" in r.stderr, r.stderr[-2000:]
+    prog, refs = st.committed_refs(store, 0)
+    assert prog.done and prog.validation_batches == -1
+    # rows after the old commit follow the old plan (the first batch's rows are whatever was there)
+    assert [x.sample_id for x in refs[len(first):]] == [st.sample_id_to_int(mine[m].sample_id) for b in legacy[1:]
+                                                        for m in b.members]
+
+
+@pytest.mark.slow
+def test_train_on_an_unfinished_store_says_it_follows(tmp_path):
+    store, run = str(tmp_path / "s.zarr"), tmp_path / "run"
+    x = _cli("extract", "--config", TINY, "--shards", "2", "--store", store, "--set", "data.max_samples=200",
+             "--set", "extract.token_budget=1024", env={**ENV, "DFLASH_TEST_EXTRACT_DELAY": "0.5"})
+    _until(lambda: _committed_train(store) >= 20, "20 committed training samples", x)
+    os.killpg(x.pid, signal.SIGINT)
+    assert x.wait(timeout=LONG) == 130
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--no-export",
+                        "--set", f"train.run_dir={run}", "--set", "train.max_steps=2", "--set", "train.num_workers=0",
+                        "--set", "train.batch_size=4"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=LONG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "is still being written (shard(s) [" in r.stderr and "training follows the extraction" in r.stderr
+    assert [b["epoch"] for b in _lines(run, 0)] == [0, 0]
