@@ -3,6 +3,7 @@
 #   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile
 #   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
+#   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
 [ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
@@ -28,6 +29,10 @@ for part in "$@"; do
       python3 $x --store-dir /tmp/xs --out "$OUT/extract_solo.json" > "$OUT/extract_solo.log" 2>&1; rm -rf /tmp/xs
       for g in 0 1; do CUDA_VISIBLE_DEVICES=$g python3 $x --store-dir /tmp/xp$g --out "$OUT/extract_gpu$g.json" > "$OUT/extract_gpu$g.log" 2>&1 & done
       wait; tail -n 6 "$OUT"/extract_*.log ;;
+    concurrent)  # issue 17: 27B-hybrid-shape extraction on GPU 0 and 27B-shape drafter training on GPU 1, alone, then
+                 # both at once from one growing store (train --follow); fractions of solo rates, wall-time model
+      timeout ${CONC_LIMIT:-420} python3 bench/concurrent_bench.py --root /tmp/cb --out "$OUT/concurrent.json" \
+        > "$OUT/concurrent.log" 2>&1; grep -v "Warning\|warn(" "$OUT/concurrent.log" | tail -14; rm -rf /tmp/cb ;;
     sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;
