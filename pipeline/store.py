@@ -26,6 +26,8 @@ Contract:
 - Commit protocol: a worker resizes its arrays, writes a batch's chunks, and only then updates
   attrs["progress"] (one atomic metadata write). Readers and resume trust `progress`, never array shapes:
   rows past `committed_tokens` are garbage from an interrupted batch and are overwritten on resume.
+- A store still being written is read through `committed_refs` (a shard's commit record and committed rows,
+  read afresh) and `StoreReader.read_rows`, which reopens an array opened before its shard grew.
 """
 
 from __future__ import annotations
