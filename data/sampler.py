@@ -98,8 +98,10 @@ class RankBatchSampler(torch.utils.data.Sampler):
     def global_batches(self, epoch: int, planned: bool = False) -> int:
         """K: global batches of `epoch`. Stream epochs (and `planned`) count the store's planned samples; an
         epoch that ends short of them (samples dropped for NaN features) is completed with fillers. Other epochs
-        count the finished store's samples (for a later epoch of a growing store: planned until it finished)."""
-        counted = epoch not in self.stream_epochs and not planned and (self.source.final or epoch == self.epoch)
+        count the finished store's samples (while a stream epoch is under way: the planned ones)."""
+        # counted only where every rank knows the store is finished: the epoch under way is not a stream epoch
+        # (it read the finished store); a rank never decides on how far the store has got at the moment
+        counted = epoch not in self.stream_epochs and not planned and self.epoch not in self.stream_epochs
         n = len(self.source.all()[0]) if counted else self.source.planned
         return max(1, math.ceil(n / self.batch_size))
 

@@ -10,7 +10,7 @@ Contract:
 - A non-finite loss on any rank stops every rank at that step with a hint; the last checkpoint stays good.
 - The learning rate follows `WarmupCosine` over the planned optimizer steps; when the plan changes (a resume
   on another number of ranks, a followed store that ended smaller than planned) the rest of the schedule is
-  stretched over the new remaining steps, so the rate never jumps. Planned on rank 0, the same on every rank.
+  stretched over the new remaining steps, so the rate never jumps. The same plan on every rank.
 - DFLASH_SAMPLE_LOG=1: every rank appends the sample ids of each batch it trains to
   RUN/logs/samples-rankN.jsonl (a debugging and test aid: which samples each rank consumed, in order).
 """
@@ -164,12 +164,11 @@ class DrafterTask(L.LightningModule):
         return d
 
     def _plan_lr(self) -> None:
-        """Stretch the rest of the LR schedule over the steps the data plan now leaves (decided on rank 0: ranks
-        that saw the store finish at different moments must still agree on the learning rate)."""
+        """Stretch the rest of the LR schedule over the steps the data plan now leaves. Every rank computes the
+        same plan without a collective (the sampler never counts on how far a growing store has got)."""
         left = self.remaining_steps()
         if left is None or self.lr_schedule is None:
             return
-        left = self.trainer.strategy.broadcast(left, src=0)
         step, sched = self.global_step, self.lr_schedule
         if abs(sched.remaining(step) - left) > 0.5:
             if self.trainer.is_global_zero:
