@@ -68,8 +68,10 @@ def _kill_after_checkpoint(args, run: Path, at_least: int, seed: int) -> int:
 
 
 def _samples(run: Path, rank: int) -> list[dict]:
+    """(step, epoch, batch, ids) of each batch the rank trained (the line's wall-clock time left out)."""
     path = run / "logs" / f"samples-rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [{k: v for k, v in x.items() if k != "t"} for x in lines]
 
 
 def _effective(run: Path, rank: int, killed_lines: int, ckpt_step: int) -> list[dict]:

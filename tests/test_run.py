@@ -69,3 +69,31 @@ def test_run_stops_both_stages_on_one_ctrl_c_and_the_same_command_continues_both
     for epoch in (0, 1):
         assert sorted(i for b in lines if b["epoch"] == epoch for i in b["ids"] if i >= 0) == train_ids
     assert json.loads((run / "summary.json").read_text())["val"]["val/tau"] > 1.0
+
+
+def test_progress_view_and_status_show_how_far_training_is_behind(tmp_path):
+    """The one-line view of `dflash run` and `dflash status RUN` for a following run, from the files the two
+    stages write (STORE/logs/extract-status.json, RUN/progress.json)."""
+    import io
+
+    from stages.run import status_line
+    from stages.status import show_status
+
+    store, run = tmp_path / "s.zarr", tmp_path / "run"
+    (store / "logs").mkdir(parents=True)
+    run.mkdir()
+    (store / "logs" / "extract-status.json").write_text(json.dumps(
+        {"state": "running", "line": "extract: 120/240 samples, 7000/14000 tokens, 1.0K tok/s, ETA 0m07s  [0] 50% [1] 50%",
+         "time": time.time(), "pid": os.getpid()}))
+    (run / "progress.json").write_text(json.dumps(
+        {"state": "running", "step": 5, "total_steps": 40, "steps_per_s": 2.0, "tokens_per_s": 900.0, "eta_s": 17.5,
+         "time": time.time(), "metrics": {},
+         "data": {"epoch": 0, "global_batches_done": 5, "global_batches": 14, "batch_size": 16, "stream_epoch": True,
+                  "readable_samples": 100, "planned_samples": 216, "store_final": False}}))
+    line = status_line(str(store), run)
+    assert line == ("extract: 120/240 samples, 7000/14000 tokens, 1.0K tok/s, ETA 0m07s | train: step 5/40 2.00 "
+                    "steps/s ETA 0.3 min | training is 20 samples behind extraction"), line
+    out = io.StringIO()
+    assert show_status(str(run), out=out) == 0
+    assert "following the store: first epoch in commit order, 20 committed samples not trained yet, extraction " \
+           "still writing" in out.getvalue()
