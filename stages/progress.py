@@ -251,3 +251,24 @@ def resumable_csv_logger(run_dir: Path, logged_through: int | None):
             return self._experiment
 
     return KeepingCSVLogger(run_dir, name="logs", version="")
+
+
+class SigtermLikeCtrlC(L.Callback):
+    """SIGTERM (`kill PID`, a scheduler) stops training the way Ctrl-C does: a KeyboardInterrupt in the main
+    thread, so Lightning's tested Ctrl-C path runs (SIGKILL to the ranks the launcher started, exit 130 with a
+    resume hint). Lightning 2.6's own SIGTERM handler broadcasts a tensor from inside the signal handler, which
+    runs wherever the signal lands: in the step's all-reduce on rank 0 while rank 1 was in the backward's, the
+    collectives never matched and the job hung for good (seen in test_ops under load; stacks read with py-spy).
+    It also let a following run wait for extraction forever: a flag is read only between batches."""
+
+    def on_train_start(self, trainer, pl_module):
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, _frame):
+            trainer._signal_connector.received_sigterm = True
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        signal.signal(signal.SIGTERM, handler)

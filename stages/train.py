@@ -212,8 +212,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
               command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, ValidateAtEnd, log_process_output,
-                                 resumable_csv_logger, save_final)
+    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
+                                 ValidateAtEnd, log_process_output, resumable_csv_logger, save_final)
     from stages.train_module import DrafterTask
 
     store_path = store or cfg.store.path
@@ -305,7 +305,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
-        callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd()],
+        callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC()],
         # epochs differ in length (a resumed epoch on another number of ranks, a followed store that ended short
         # of its plan): the loader is asked for its length every epoch, and validation counts batches across
         # epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
