@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -32,14 +33,16 @@ WAIT_FIRST_REPORT_S, WAIT_REPORT_S = 5.0, 30.0  # short waits at the frontier st
 
 
 class StreamSlot(NamedTuple):
-    """Slot j of global batch g of the stream (batches of `size`), whose round ends at global batch `round_end`.
-    The sampler deals slots without waiting; a loader worker resolves them (`GrowingStore.resolve`), so the
-    DataLoader's prefetching never holds back a batch that is already readable."""
+    """Slot j of global batch g of a stream epoch (batches of `size`, drawn with a shuffle buffer of `buffer`
+    samples), whose round ends at global batch `round_end`. The sampler deals slots without waiting; a loader
+    worker resolves them (`GrowingStore.resolve`), so the DataLoader's prefetching never holds back a batch
+    that is already readable."""
 
     g: int
     j: int
     size: int
     round_end: int
+    buffer: int = 0
 
 
 class GrowingStore:
@@ -65,6 +68,7 @@ class GrowingStore:
         self._heap = [(self._key(i, 0), i) for i in range(S) if self.planned_rows[i]]
         self.blocked: Optional[int] = None  # the shard holding the stream up
         self._final: Optional[tuple[list, list[int]]] = None
+        self._mix: Optional[list] = None  # the shuffle buffer's state (mixed_batch)
         self.refresh()
 
     def _key(self, shard: int, row: int) -> tuple[float, int]:
@@ -114,10 +118,35 @@ class GrowingStore:
         self.wait_for(min(round_end * batch_size, self.planned))
         return self.stream[g * batch_size : (g + 1) * batch_size]
 
-    def resolve(self, slot: StreamSlot) -> tuple[Optional[st.SampleRef], bool]:
+    def mixed_batch(self, g: int, size: int, round_end: int, buffer: int, seed: int, epoch: int) -> list[st.SampleRef]:
+        """Global batch g of a stream epoch with a shuffle buffer: batch k draws `size` samples at random from the
+        stream's first (k + 1) size + buffer samples not drawn before (all of them once the stream is complete).
+        Every sample once; what a batch holds depends only on the stream and (seed, epoch, k), not on timing.
+        Waits until the stream holds the whole round's window. buffer 0: the stream's own order."""
+        key = (size, buffer, seed, epoch)
+        if self._mix is None or self._mix[0] != key or self._mix[1] > g:
+            self._mix = [key, 0, 0, []]  # (what it is for, next batch, stream samples added, pool of positions)
+        self.wait_for(min(round_end * size + buffer, self.planned))
+        _, k, added, pool = self._mix
+        out: list[int] = []
+        while k <= g:  # replay the batches before g (a resumed run, another rank's batches) then draw g
+            target = min((k + 1) * size + buffer, len(self.stream))
+            pool.extend(range(added, target))
+            added = max(added, target)
+            rng = random.Random((seed * 1_000_003 + epoch) * 1_000_033 + k)
+            out = []
+            for _ in range(min(size, len(pool))):
+                i = rng.randrange(len(pool))
+                pool[i], pool[-1] = pool[-1], pool[i]
+                out.append(pool.pop())
+            k += 1
+        self._mix[1:3] = [k, added]
+        return [self.stream[p] for p in sorted(out)]  # in stream order within the batch
+
+    def resolve(self, slot: StreamSlot, seed: int = 0, epoch: int = 0) -> tuple[Optional[st.SampleRef], bool]:
         """(sample, filler) at a stream slot, once its round is readable: (None, False) past a short last batch;
         the shortest sample as a filler for the first slot of a batch past the stream's end."""
-        batch = self.stream_batch(slot.g, slot.size, slot.round_end)
+        batch = self.mixed_batch(slot.g, slot.size, slot.round_end, slot.buffer, seed, epoch)
         if slot.j < len(batch):
             return batch[slot.j], False
         return (self.filler(), True) if not batch and slot.j == 0 else (None, False)

@@ -83,11 +83,11 @@ class RankBatchSampler(torch.utils.data.Sampler):
     `stream_epochs`: epochs taken as a stream of commits (a following run's first epoch)."""
 
     def __init__(self, samples, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, group_factor: int = 32, stream_epochs: Sequence[int] = ()):
+                 shuffle: bool = True, group_factor: int = 32, stream_epochs: Sequence[int] = (), buffer: int = 0):
         self.source = samples if hasattr(samples, "all") else FixedSamples(range(len(samples)), samples)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.shuffle, self.group_factor = seed, shuffle, group_factor
-        self.stream_epochs = set(stream_epochs)
+        self.stream_epochs, self.buffer = set(stream_epochs), buffer  # buffer: a stream epoch's shuffle buffer
         self.sampler = _EpochCounter(self)  # Lightning sets the epoch here at the start of every epoch
         self.epoch = 0
         self.k0 = self.p0 = 0  # this rank's and the global batches done in `epoch` when this process took it up
@@ -97,12 +97,11 @@ class RankBatchSampler(torch.utils.data.Sampler):
     # -- sizes ----------------------------------------------------------------------------------------------
     def global_batches(self, epoch: int, planned: bool = False) -> int:
         """K: global batches of `epoch`. Stream epochs (and `planned`) count the store's planned samples; an
-        epoch that ends short of them (samples dropped for NaN features) is completed with fillers. Other epochs
-        count the finished store's samples (while a stream epoch is under way: the planned ones)."""
-        # counted only where every rank knows the store is finished: the epoch under way is not a stream epoch
-        # (it read the finished store); a rank never decides on how far the store has got at the moment
-        counted = epoch not in self.stream_epochs and not planned and self.epoch not in self.stream_epochs
-        n = len(self.source.all()[0]) if counted else self.source.planned
+        epoch that ends short of them (samples dropped for NaN features) is completed with fillers; so are the
+        other epochs of a run that streamed one. A run on a finished store counts its samples."""
+        # a following run deals every epoch to the planned count (fillers make up for dropped samples): one
+        # length for all epochs, an exact LR schedule, and nothing decided on how far a rank has seen the store
+        n = self.source.planned if planned or self.stream_epochs else len(self.source.all()[0])
         return max(1, math.ceil(n / self.batch_size))
 
     def epoch_length(self, epoch: int, planned: bool = False) -> int:
@@ -151,7 +150,8 @@ class RankBatchSampler(torch.utils.data.Sampler):
         for i in range(math.ceil(max(0, K - p0) / W)):
             g = p0 + i * W + self.rank
             if stream:  # slots a loader worker resolves once the whole round is committed (data/follow.py)
-                yield [(StreamSlot(g, j, self.batch_size, p0 + (i + 1) * W), e, False) for j in range(self.batch_size)]
+                yield [(StreamSlot(g, j, self.batch_size, p0 + (i + 1) * W, self.buffer), e, False)
+                       for j in range(self.batch_size)]
                 continue
             batch = [keys[j] for j in plan[g]] if g < len(plan) else []
             if batch:
@@ -162,7 +162,7 @@ class RankBatchSampler(torch.utils.data.Sampler):
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.consumed, "global_done": self.global_done(),
-                "world_size": self.world_size, "stream_epochs": sorted(self.stream_epochs)}
+                "world_size": self.world_size, "stream_epochs": sorted(self.stream_epochs), "buffer": self.buffer}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` was saved, possibly with another world size. A state of an older dflash (epoch
@@ -172,6 +172,7 @@ class RankBatchSampler(torch.utils.data.Sampler):
         self.p0 = int(state.get("global_done", self.k0 * int(state.get("world_size", self.world_size))))
         if "stream_epochs" in state:
             self.stream_epochs = set(int(e) for e in state["stream_epochs"])
+        self.buffer = int(state.get("buffer", self.buffer))  # the stream epoch's batches as they were drawn
 
     def resume(self, epoch: int, batches_done: int) -> None:
         """Skip the first `batches_done` batches of `epoch` on this rank (the same world size trained them)."""

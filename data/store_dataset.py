@@ -77,7 +77,7 @@ class StoreDataset(torch.utils.data.Dataset):
             item = (item, 0)
         key, epoch, filler = item if len(item) == 3 else (*item, False)
         if isinstance(key, StreamSlot):  # a following run's first epoch: waits until the slot's round is committed
-            key, filler = self.stream.resolve(key)
+            key, filler = self.stream.resolve(key, self.seed, epoch)
             if key is None:
                 return None  # past the stream's short last batch
         ref = key if isinstance(key, SampleRef) else self.reader.samples[self.indices[key]]

@@ -112,6 +112,7 @@ class TrainConfig:
     val_every: int = 500
     log_every: int = 10
     seed: int = 0
+    follow_buffer: int = 1024  # a following run's first epoch draws each batch at random from the next N committed samples
 
 
 @dataclass

@@ -89,7 +89,8 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
     col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
     wait_log = str(Path(t.run_dir) / "logs" / "rank0.log") if growing and rank == 0 else None  # waits said there
     train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log)
-    sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs)
+    sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs,
+                               buffer=t.follow_buffer)
     # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock
     kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init,
               multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
@@ -157,8 +158,14 @@ def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Option
         return attrs, st.StoreReader(store_path), stream_epochs
     growing = GrowingStore(store_path, report=rank == 0)
     t = cfg.train
-    growing.wait_until_trainable(min_start_samples(world, t.batch_size, t.accumulate_grad_batches))
+    saved_buffer = saved.get("buffer", t.follow_buffer)  # a resumed run draws as it did
+    growing.wait_until_trainable(min_start_samples(world, t.batch_size, t.accumulate_grad_batches) + saved_buffer)
     return attrs, growing, stream_epochs
+
+
+def _world_changed(resume_state: Optional[dict], world: int) -> bool:
+    loader = (resume_state or {}).get("loader") or {}
+    return int(loader.get("world_size", world)) != world
 
 
 def _unfinished_shards(store_path: str, attrs: dict) -> list[int]:
@@ -306,10 +313,11 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
         callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC()],
-        # epochs differ in length (a resumed epoch on another number of ranks, a followed store that ended short
-        # of its plan): the loader is asked for its length every epoch, and validation counts batches across
-        # epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
-        reload_dataloaders_every_n_epochs=1, logger=loggers, log_every_n_steps=cfg.train.log_every,
+        # a resume on another number of ranks makes its first epoch another length than the next ones: only then
+        # is the loader asked for its length every epoch (each ask is a collective). Validation counts batches
+        # across epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
+        reload_dataloaders_every_n_epochs=1 if _world_changed(resume_state, world) else 0, logger=loggers,
+        log_every_n_steps=cfg.train.log_every,
         val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         use_distributed_sampler=False,
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,

@@ -67,6 +67,30 @@ def test_growing_store_reads_committed_rows_in_stream_order(tmp_path):
     assert g.stream_batch(3, 3, round_end=4) == []  # past the end: the sampler deals a filler
 
 
+def _finished_stream(n: int) -> GrowingStore:
+    """A GrowingStore whose stream is n samples of a finished store (no store on disk needed)."""
+    g = GrowingStore.__new__(GrowingStore)
+    g.stream = [st.SampleRef(0, i, 10, 1000 + i, 0, i) for i in range(n)]
+    g.planned, g.progress, g._mix, g.report = n, [st.Progress(done=True)], None, False
+    return g
+
+
+@pytest.mark.parametrize("n,size,buffer", [(100, 8, 32), (37, 4, 0), (50, 7, 1000)])
+def test_shuffle_buffer_draws_every_sample_once_from_its_window(n, size, buffer):
+    g = _finished_stream(n)
+    K = -(-n // size)
+    batches = [[r.row for r in g.mixed_batch(k, size, k + 1, buffer, seed=3, epoch=0)] for k in range(K + 1)]
+    assert batches[-1] == [] and sorted(p for b in batches for p in b) == list(range(n))  # each once, then nothing
+    assert all(max(b) < (k + 1) * size + buffer for k, b in enumerate(batches[:-1]))  # only from its window
+    if buffer == 0:
+        assert batches[:-1] == [list(range(k * size, min(n, (k + 1) * size))) for k in range(K)]  # the stream's order
+    else:
+        assert batches[0] != list(range(size))
+    fresh = _finished_stream(n)  # a resumed run or another rank asks for batch 3 first: the same samples
+    assert [r.row for r in fresh.mixed_batch(3, size, 4, buffer, seed=3, epoch=0)] == batches[3]
+    assert [r.row for r in fresh.mixed_batch(1, size, 2, buffer, seed=3, epoch=1)] != batches[1] or buffer == 0
+
+
 def test_a_shard_of_an_older_plan_is_refused_until_it_finishes(tmp_path):
     path = str(tmp_path / "s.zarr")
     st.create_or_open_store(path, PROV)
@@ -139,7 +163,8 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
     slow = {**ENV, "DFLASH_TEST_EXTRACT_DELAY": "0.7"}
     train = ["train", "--follow", "--devices", "2", "--config", TINY, "--store", store, "--no-export",
              "--set", f"train.run_dir={run}", "--set", "train.num_workers=1", "--set", "train.batch_size=8",
-             "--set", "train.epochs=3", "--set", "train.checkpoint_every=4", "--set", "train.log_every=1"]
+             "--set", "train.epochs=3", "--set", "train.checkpoint_every=4", "--set", "train.log_every=1",
+             "--set", "train.follow_buffer=0"]  # no shuffle buffer: epoch 0 is the stream's own order
     x = _cli(*extract, env=slow)
     _until(lambda: _committed_train(store) >= 40, "40 committed training samples", x)
     os.killpg(x.pid, signal.SIGINT)  # Ctrl-C: the workers commit what they have and stop
@@ -239,7 +264,8 @@ def test_train_on_an_unfinished_store_says_it_follows(tmp_path):
     assert x.wait(timeout=LONG) == 130
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--no-export",
                         "--set", f"train.run_dir={run}", "--set", "train.max_steps=2", "--set", "train.num_workers=0",
-                        "--set", "train.batch_size=4"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=LONG)
+                        "--set", "train.batch_size=4", "--set", "train.follow_buffer=8"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=LONG)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "is still being written (shard(s) [" in r.stderr and "training follows the extraction" in r.stderr
     assert [b["epoch"] for b in _lines(run, 0)] == [0, 0]

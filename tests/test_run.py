@@ -39,7 +39,8 @@ def test_run_stops_both_stages_on_one_ctrl_c_and_the_same_command_continues_both
     store, run = tmp_path / "store.zarr", tmp_path / "run"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "--store", str(store), "--set", f"train.run_dir={run}",
            "--set", "data.max_samples=240", "--set", "extract.token_budget=512", "--set", "train.epochs=2",
-           "--set", "train.num_workers=1", "--set", "train.batch_size=8", "--set", "train.checkpoint_every=3", "--set", "train.log_every=1"]
+           "--set", "train.num_workers=1", "--set", "train.batch_size=8", "--set", "train.checkpoint_every=3", "--set", "train.log_every=1",
+           "--set", "train.follow_buffer=16"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1", "DFLASH_TEST_EXTRACT_DELAY": "2"}
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + LONG
