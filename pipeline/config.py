@@ -255,6 +255,8 @@ def _validate(cfg: Config) -> None:
     for section, key in positive:
         if getattr(getattr(cfg, section), key) <= 0:
             raise ConfigError(f"{src}: {section}.{key} must be positive")
+    if cfg.train.follow_buffer < 0:
+        raise ConfigError(f"{src}: train.follow_buffer must be 0 or more (samples)")
     if not 0.0 <= cfg.data.validation_fraction < 1.0:
         raise ConfigError(f"{src}: data.validation_fraction must be in [0, 1)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:

@@ -269,3 +269,11 @@ def test_train_on_an_unfinished_store_says_it_follows(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "is still being written (shard(s) [" in r.stderr and "training follows the extraction" in r.stderr
     assert [b["epoch"] for b in _lines(run, 0)] == [0, 0]
+
+
+def test_follow_buffer_must_not_be_negative():
+    from pipeline.config import ConfigError, load_config
+
+    assert load_config(None, ["train.follow_buffer=0"]).train.follow_buffer == 0
+    with pytest.raises(ConfigError, match="train.follow_buffer must be 0 or more"):
+        load_config(None, ["train.follow_buffer=-1"])
