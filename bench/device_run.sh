@@ -7,6 +7,7 @@
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
 #        needs fla-core + einops in .whl/: ../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2)
+#   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
 [ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
@@ -45,6 +46,10 @@ for part in "$@"; do
       tail -12 "$OUT/archtau.log"
       kill $copier; cp /tmp/archtau/results.jsonl "$OUT/archtau_results.jsonl" ;;
     dflash2tests) python3 -m pytest -q -m gpu tests/test_gpu_dflash2.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
+    concurrent)  # issue 17: 27B-hybrid-shape extraction on GPU 0 and 27B-shape drafter training on GPU 1, alone, then
+                 # both at once from one growing store (train --follow); fractions of solo rates, wall-time model
+      timeout ${CONC_LIMIT:-420} python3 bench/concurrent_bench.py --root /tmp/cb --out "$OUT/concurrent.json" \
+        > "$OUT/concurrent.log" 2>&1; grep -v "Warning\|warn(" "$OUT/concurrent.log" | tail -14; rm -rf /tmp/cb ;;
     sdpa) python3 bench/train_bench.py --modes sdpa --steps 5 --out "$OUT/train_sdpa.json" 2>&1 | tail -3 ;;
     whole) python3 bench/train_bench.py --modes flex --compile whole --steps 5 --cache-dir /tmp/ccw --out "$OUT/train_whole.json" 2>&1 | tail -3 ;;
     attention) python3 bench/train_bench.py --attention-only --cache-dir /tmp/cc --out "$OUT/attention.json" 2>&1 | tail -8 ;;

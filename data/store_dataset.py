@@ -1,16 +1,18 @@
-"""Training data from the store: a map-style dataset, an epoch-aware per-rank batch sampler, and collation.
+"""Training data from the store: a map-style dataset, the resumable loader, and collation.
 
 Contract:
 - `StoreDataset` opens the store lazily, inside whichever process first reads (DataLoader workers open their
-  own: zarr's event loop and fsspec are not fork-safe). Items are `(sample_index, epoch)` so anchors are
-  drawn fresh each epoch yet reproducibly (seeded by seed, epoch and sample id).
+  own: zarr's event loop and fsspec are not fork-safe). Items are `(key, epoch, filler)` from the sampler
+  (data/sampler.py): key is a `SampleRef` (a sample of a finished store or of one still being written) or a
+  position in `indices`. Anchors are drawn fresh each epoch yet reproducibly (seeded by seed, epoch and sample
+  id). A filler item keeps its tokens but has its loss mask zeroed: no anchors, no loss, no gradient.
 - Features leave the loader still encoded (the encoding's parts, pipeline.encoding): decoding happens on the GPU.
-- `RankBatchSampler` gives every rank the same number of batches per epoch (the last few batches of a
-  shuffled epoch are dropped so the count divides the world size), groups samples of similar length to
-  limit padding, and can skip the batches of an epoch that a resumed run already trained on.
-- `collate` pads to a multiple of `pad_multiple` (128 on GPU, fixed shapes keep compiled graphs few).
-- Under gradient accumulation `ResumableLoader` tags each batch with its window's total loss weight, so the
-  loss is normalised over the optimizer step's whole batch, not per micro-batch.
+- `collate` pads to a multiple of `pad_multiple` (128 on GPU, fixed shapes keep compiled graphs few) and keeps
+  the sample ids (-1 for fillers).
+- `ResumableLoader` checkpoints the sampler's position (what the trainer consumed, not what workers prefetched)
+  and starts its iterator only when the first batch is asked for (Lightning creates one it then discards).
+  Under gradient accumulation it tags each batch with its window's total loss weight, so the loss is
+  normalised over the optimizer step's whole batch, not per micro-batch.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import random
 import signal
+import sys
 import threading
 import time
 from typing import Callable, Iterator, Optional
@@ -27,114 +29,73 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from data.follow import GrowingStore, StreamSlot
+from data.sampler import FixedSamples, RankBatchSampler  # noqa: F401 - re-exported: the loader's sampler
 from pipeline.encoding import from_storage, part_names
 from pipeline.masks import sample_anchors
-from pipeline.store import StoreReader
+from pipeline.store import SampleRef, StoreReader
 
 
 class StoreDataset(torch.utils.data.Dataset):
     def __init__(self, store_path: str, indices: list[int], num_anchors: int, seed: int,
-                 lengths: Optional[list[int]] = None, fixed_anchors: bool = False):
+                 lengths: Optional[list[int]] = None, fixed_anchors: bool = False, growing: bool = False,
+                 wait_log: Optional[str] = None):
         self.store_path, self.indices = store_path, list(indices)
         self.num_anchors, self.seed, self.fixed_anchors = num_anchors, seed, fixed_anchors
-        self.lengths = lengths
+        self.lengths, self.growing = lengths, growing  # growing: the store may still be written (--follow)
+        self.wait_log = wait_log  # where a worker waiting for extraction says so (rank 0's log), besides stderr
         self._reader: Optional[StoreReader] = None
+        self._stream: Optional[GrowingStore] = None
+
+    def _say(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        with open(self.wait_log, "a") as f:
+            f.write(line + "\n")
+
+    @property
+    def stream(self) -> GrowingStore:
+        if self._stream is None:
+            self._stream = GrowingStore(self.store_path, report=self.wait_log is not None, say=self._say)
+        return self._stream
 
     @property
     def reader(self) -> StoreReader:
         if self._reader is None:
-            self._reader = StoreReader(self.store_path)
+            self._reader = StoreReader(self.store_path, require_complete=not self.growing)
         return self._reader
 
     def __getstate__(self):  # never pickle an open store into a worker
         state = dict(self.__dict__)
-        state["_reader"] = None
+        state["_reader"] = state["_stream"] = None
         return state
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, key) -> dict:
-        pos, epoch = key if isinstance(key, tuple) else (key, 0)
-        index = self.indices[pos]
-        s = self.reader.read(index)
-        sid = self.reader.samples[index].sample_id
-        g = torch.Generator().manual_seed(hash((self.seed, 0 if self.fixed_anchors else epoch, sid)) & 0x7FFFFFFF)
+    def __getitem__(self, item) -> Optional[dict]:
+        if not isinstance(item, tuple):  # a bare position (benchmarks, tests)
+            item = (item, 0)
+        key, epoch, filler = item if len(item) == 3 else (*item, False)
+        if isinstance(key, StreamSlot):  # a following run's first epoch: waits until the slot's round is committed
+            key, filler = self.stream.resolve(key, self.seed, epoch)
+            if key is None:
+                return None  # past the stream's short last batch
+        ref = key if isinstance(key, SampleRef) else self.reader.samples[self.indices[key]]
+        s = self.reader.read_sample(ref.shard, ref.start, ref.length)
+        g = torch.Generator().manual_seed(hash((self.seed, 0 if self.fixed_anchors else epoch, ref.sample_id)) & 0x7FFFFFFF)
         loss_mask = torch.from_numpy(s["loss_mask"].astype(np.bool_))
+        if filler:
+            loss_mask.zero_()
         anchors = sample_anchors(loss_mask, self.num_anchors, g)
         item = {
             "tokens": torch.from_numpy(s["tokens"].astype(np.int64)),  # [S]
             "loss_mask": loss_mask,  # [S] bool
             "anchors": anchors,  # [A] sorted
+            "sample_id": -1 if filler else ref.sample_id,
         }
         for name in part_names(self.reader.encoding):  # still encoded: features [S, L, ...], scales, outliers
             item[name] = from_storage(s[name])
         return item
-
-
-class _EpochCounter:
-    """Lightning calls `set_epoch` on `loader.batch_sampler.sampler`, not on the batch sampler: this is that."""
-
-    def __init__(self):
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-
-class RankBatchSampler(torch.utils.data.Sampler):
-    """Shuffled, length-grouped batches of (sample_position, epoch), the same count on every rank."""
-
-    def __init__(self, lengths: list[int], batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, group_factor: int = 32):
-        self.lengths, self.batch_size = list(lengths), batch_size
-        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
-        self.group_factor = group_factor
-        self.sampler = _EpochCounter()  # Lightning sets the epoch here at the start of every epoch
-        self.skip, self.skip_epoch = 0, -1
-        self.consumed = 0  # batches of the current epoch the trainer has finished (set by the training step)
-
-    @property
-    def epoch(self) -> int:
-        return self.sampler.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def resume(self, epoch: int, batches_done: int) -> None:
-        """Skip the first `batches_done` batches of `epoch` (a resumed run already trained on them)."""
-        self.skip_epoch, self.skip, self.consumed = epoch, batches_done, batches_done
-
-    def _all_batches(self) -> list[list[int]]:
-        n = len(self.lengths)
-        order = list(range(n))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        group = self.batch_size * self.group_factor
-        batches = []
-        for g0 in range(0, n, group):  # sort each window by length: little padding, still random overall
-            window = sorted(order[g0 : g0 + group], key=lambda i: self.lengths[i])
-            batches += [window[i : i + self.batch_size] for i in range(0, len(window), self.batch_size)]
-        if self.shuffle:
-            random.Random(self.seed * 7_919 + self.epoch).shuffle(batches)
-        usable = len(batches) // self.world_size * self.world_size if len(batches) >= self.world_size else len(batches)
-        return batches[:usable]
-
-    def __len__(self) -> int:
-        total = math.ceil(len(self.lengths) / self.batch_size)
-        per_rank = total // self.world_size if total >= self.world_size else 1
-        return max(1, per_rank)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        batches = self._all_batches()
-        if len(batches) < self.world_size:  # tiny data: every rank sees the same batch
-            mine = batches[:1]
-        else:
-            mine = batches[self.rank :: self.world_size]
-        skip = self.skip if self.epoch == self.skip_epoch else 0
-        self.skip, self.skip_epoch = 0, -1
-        for b in mine[skip:]:
-            yield [(i, self.epoch) for i in b]
 
 
 def worker_init(_worker_id: int) -> None:
@@ -169,8 +130,10 @@ def _exit_with_parent(parent: int) -> None:
 
 
 class ResumableLoader(torch.utils.data.DataLoader):
-    """A DataLoader Lightning can checkpoint: its state is (epoch, batches the trainer consumed), not what the
-    workers prefetched, so a resumed run continues with exactly the next unseen batch.
+    """A DataLoader Lightning can checkpoint: its state is the sampler's (epoch, batches the trainer consumed,
+    global position), not what the workers prefetched, so a resumed run continues with exactly the next unseen
+    batch. Its iterator starts at the first `next`: Lightning creates an iterator in `setup_data` that the
+    epoch loop may replace at once, and a started one would prefetch (and wait for) batches for nothing.
 
     With `accumulate` > 1 and a `batch_weight` function, every batch also carries `window_weight`: the loss
     weight of its whole gradient-accumulation window (see `accumulation_windows`)."""
@@ -179,19 +142,35 @@ class ResumableLoader(torch.utils.data.DataLoader):
     batch_weight: Optional[Callable[[dict], float]] = None
 
     def __iter__(self):
+        return _Deferred(self._start)
+
+    def _start(self):
+        _, offset = self.batch_sampler.upcoming()  # a resumed epoch starts after its done batches
         it = super().__iter__()
         if self.accumulate <= 1 or self.batch_weight is None:
             return it
-        bs = self.batch_sampler
-        offset = bs.skip if bs.epoch == bs.skip_epoch else 0  # a resumed epoch starts after its done batches
         return accumulation_windows(it, self.accumulate, offset, self.batch_weight)
 
     def state_dict(self) -> dict:
-        bs = self.batch_sampler
-        return {"epoch": bs.epoch, "batches_done": bs.consumed}
+        return self.batch_sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.batch_sampler.resume(int(state["epoch"]), int(state["batches_done"]))
+        self.batch_sampler.load_state_dict(state)
+
+
+class _Deferred:
+    """An iterator made by `start()` at the first `next`."""
+
+    def __init__(self, start: Callable[[], Iterator]):
+        self._start, self._it = start, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._it is None:
+            self._it = iter(self._start())
+        return next(self._it)
 
 
 def accumulation_windows(batches: Iterator[dict], accumulate: int, offset: int,
@@ -212,8 +191,9 @@ def accumulation_windows(batches: Iterator[dict], accumulate: int, offset: int,
         pos += len(group)
 
 
-def collate(items: list[dict], pad_multiple: int = 1, num_anchors: Optional[int] = None) -> dict:
-    """Pad a list of samples into a batch; anchors padded with -1."""
+def collate(items: list[Optional[dict]], pad_multiple: int = 1, num_anchors: Optional[int] = None) -> dict:
+    """Pad a list of samples into a batch; anchors padded with -1; None items (empty stream slots) left out."""
+    items = [it for it in items if it is not None]
     B = len(items)
     S = max(len(it["tokens"]) for it in items)
     S = int(math.ceil(S / pad_multiple) * pad_multiple)
@@ -224,7 +204,8 @@ def collate(items: list[dict], pad_multiple: int = 1, num_anchors: Optional[int]
         "anchors": torch.full((B, A), -1, dtype=torch.long),
         "seq_lens": torch.tensor([len(it["tokens"]) for it in items], dtype=torch.long),
     }
-    parts = [k for k in items[0] if k not in ("tokens", "loss_mask", "anchors")]  # the encoding's parts
+    out["sample_ids"] = [int(it.get("sample_id", -1)) for it in items]  # -1: a filler (or unknown)
+    parts = [k for k in items[0] if k not in ("tokens", "loss_mask", "anchors", "sample_id")]  # the encoding's parts
     for k in parts:  # padding tokens decode to finite values (scales 1, codes 0) and are masked out
         t = items[0][k]
         out[k] = (torch.ones if k == "scales" else torch.zeros)(B, S, *t.shape[1:], dtype=t.dtype)

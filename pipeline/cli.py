@@ -81,6 +81,12 @@ def _run(fn, *args, **kwargs) -> None:
     except ImportError:  # pragma: no cover
         pass
     try:
+        from stages.run import RunError
+
+        user_errors += (RunError,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
         from stages.train_module import NonFiniteLoss
     except ImportError:  # pragma: no cover
         NonFiniteLoss = ()  # noqa: N806
@@ -181,18 +187,42 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @click.option("--no-export", is_flag=True, help="Skip exporting the drafter at the end.")
 @click.option("--rebuild-compile-cache", is_flag=True, help="Empty the torch.compile cache of this drafter shape before starting "
               "(kept in $DFLASH_COMPILE_CACHE or ~/.cache/dflash/compile, shared by runs).")
-def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache):
+@click.option("--follow", is_flag=True, help="Train while `dflash extract` still writes the store (waits for it to "
+              "appear); an unfinished store is followed anyway.")
+def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache, follow):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
     The target checkpoint is never loaded: rerun with other hyperparameters on the same store for free.
+    On a store still being written, training follows the extraction: it starts once one optimizer step's
+    samples are committed, waits when it has caught up, and ends after train.epochs over the final store.
     """
     from stages.train import run_train
 
     cfg = _load(config_path, overrides)
     gpu_list = _gpu_list(gpus)
     _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
-         rebuild_compile_cache=rebuild_compile_cache)
+         rebuild_compile_cache=rebuild_compile_cache, follow=follow)
+
+
+@main.command("run")
+@config_option
+@set_option
+@click.option("--extract-gpus", default="", help="GPUs for extraction, one shard each, e.g. 0-4 (empty: CPU workers, "
+              "extract.shards of them).")
+@click.option("--train-gpus", default="", help="GPUs for the training ranks, e.g. 5-7 (empty: CPU processes).")
+@click.option("--devices", type=int, default=None, help="Without --train-gpus: number of CPU training processes.")
+@click.option("--store", default=None, help="Store path or URL (default: store.path).")
+def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
+    """Both stages on one node at once: extract on some GPUs while training follows the growing store on others.
+
+    One progress view, one Ctrl-C stops both cleanly, and the same command resumes both (extraction from its
+    commits, training from its last checkpoint). E.g. `dflash run --config C --extract-gpus 0-4 --train-gpus 5-7`.
+    """
+    from stages.run import run_node
+
+    cfg = _load(config_path, overrides)
+    _run(run_node, cfg, config_path, list(overrides), extract_gpus, train_gpus, devices, store, _command_line())
 
 
 @main.command()

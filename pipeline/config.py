@@ -122,6 +122,7 @@ class TrainConfig:
     val_every: int = 500
     log_every: int = 10
     seed: int = 0
+    follow_buffer: int = 1024  # a following run's first epoch draws each batch at random from the next N committed samples
 
 
 @dataclass
@@ -289,6 +290,8 @@ def _validate(cfg: Config) -> None:
         if getattr(getattr(cfg, section), key) <= 0:
             raise ConfigError(f"{src}: {section}.{key} must be positive")
     _validate_regenerate(cfg.regenerate, src)
+    if cfg.train.follow_buffer < 0:
+        raise ConfigError(f"{src}: train.follow_buffer must be 0 or more (samples)")
     if not 0.0 <= cfg.data.validation_fraction < 1.0:
         raise ConfigError(f"{src}: data.validation_fraction must be in [0, 1)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:

@@ -48,6 +48,9 @@ Contract:
 - Stores written before these checksums (no "dflash_integrity" attribute) stay readable: their missing
   checksums are reported by `dflash verify` as notes, and since they did not store all-zero chunks, an
   absent loss_mask, split or sample_start chunk is read as zeros there (any other absent chunk is damage).
+- A store still being written is read through `committed_refs` (a shard's commit record, checksum-checked,
+  and its committed rows, read afresh) and `StoreReader.read_sample`/`read_rows`, which reopen an array opened
+  before its shard grew.
 """
 from __future__ import annotations
 
@@ -256,6 +259,7 @@ class Progress:
     planned_samples: int = 0
     planned_tokens: int = 0
     every_chunk: bool = False  # every chunk of the committed rows is stored, all-zero ones included
+    validation_batches: int = -1  # the plan's first batches holding the validation samples (-1: not recorded)
 
     @classmethod
     def from_attrs(cls, attrs: dict) -> "Progress":
@@ -373,8 +377,11 @@ class ShardWriter:
         self.group = g
         self.progress = read_progress(path, shard_index, dict(g.attrs), self.integrity)
 
-    def start(self, plan_fingerprint: str, planned_samples: int, planned_tokens: int) -> Progress:
-        """Record the shard's batch plan; refuse to resume a shard that was planned differently."""
+    def start(self, plan_fingerprint: str, planned_samples: int, planned_tokens: int,
+              validation_batches: int = -1) -> Progress:
+        """Record the shard's batch plan; refuse to resume a shard that was planned differently.
+        `validation_batches`: how many leading batches of the plan hold the validation samples (a training run
+        that follows the growing store reads the validation split once they are committed)."""
         p = self.progress
         if p.plan_fingerprint and p.plan_fingerprint != plan_fingerprint:
             raise StoreError(
@@ -386,6 +393,7 @@ class ShardWriter:
             self._check_owner()
             p.plan_fingerprint, p.planned_samples, p.planned_tokens = plan_fingerprint, planned_samples, planned_tokens
             p.every_chunk = p.every_chunk or fresh
+            p.validation_batches = validation_batches
             self._commit()
         return p
 
@@ -480,13 +488,14 @@ class ShardWriter:
 # ----------------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampleRef:
     shard: int
     start: int
     length: int
     sample_id: int
     split: int
+    row: int = -1  # the sample's row in its shard (set by `committed_refs`)
 
 
 def chunk_key(arr, c: int) -> str:
@@ -587,7 +596,12 @@ class StoreReader:
     def read(self, index: int) -> dict[str, np.ndarray]:
         """One sample: tokens int32 [S], loss_mask uint8 [S] and the encoding's parts (features, ...) [S, ...]."""
         r = self.samples[index]
-        return {name: self.read_rows(r.shard, name, r.start, r.start + r.length) for name in token_arrays(self.encoding)}
+        return self.read_sample(r.shard, r.start, r.length)
+
+    def read_sample(self, shard: int, start: int, length: int) -> dict[str, np.ndarray]:
+        """Token rows [start, start + length) of every token array of a shard, checked: a sample of `samples`,
+        or one found by `committed_refs` after this reader opened (a store still being written)."""
+        return {name: self.read_rows(shard, name, start, start + length) for name in token_arrays(self.encoding)}
 
     def columns(self, shard: int) -> dict[str, np.ndarray]:
         """The committed per-sample arrays (sample_start, sample_length, sample_id, split) of a shard."""
@@ -595,7 +609,7 @@ class StoreReader:
 
     def read_rows(self, shard: int, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of a shard's array, checked: StoreDataError instead of a fill value or a zarr error."""
-        arr = self._array(shard, name)
+        arr = self._array(shard, name, stop)
         if stop <= start:
             return arr[start:stop]
         rows = arr.chunks[0]
@@ -623,11 +637,48 @@ class StoreReader:
         samples = samples_in_rows(self._columns.get(shard), name, c * rows, (c + 1) * rows, committed)
         return StoreDataError(damage_message(self.path, shard, name, c, rows, what, samples))
 
-    def _array(self, shard: int, name: str):
+    def _array(self, shard: int, name: str, rows: int = 0):
         key = (shard, name)
-        if key not in self._arrays:
-            self._arrays[key] = self.shards[shard][name]
-        return self._arrays[key]
+        arr = self._arrays.get(key)
+        if arr is None and shard in self.shards:
+            arr = self._arrays[key] = self.shards[shard][name]
+        if arr is None or arr.shape[0] < rows:  # a shard begun or grown since this reader opened (following)
+            root = _zarr().open_group(self.path, mode="r")
+            g = self.shards[shard] = root[shard_name(shard)]
+            self.progress[shard] = read_progress(self.path, shard, dict(g.attrs), INTEGRITY_ATTR in dict(root.attrs))
+            arr = self._arrays[key] = g[name]  # reads the array's metadata afresh
+        return arr
+
+
+def _shard_group(path: str, shard: int):
+    """(the shard's group, its checked commit record) read afresh, or (None, None) before the shard started."""
+    root = _zarr().open_group(path, mode="r")
+    try:
+        g = root[shard_name(shard)]
+    except KeyError:
+        return None, None
+    return g, read_progress(path, shard, dict(g.attrs), INTEGRITY_ATTR in dict(root.attrs))
+
+
+def shard_progress(path: str, shard: int) -> Optional[Progress]:
+    """A shard's commit record, read afresh and checked; None while the shard has not started."""
+    return _shard_group(path, shard)[1]
+
+
+def committed_refs(path: str, shard: int, from_row: int = 0) -> tuple[Optional[Progress], list[SampleRef]]:
+    """A shard's commit record and its committed samples from row `from_row` on, read afresh: how training
+    follows a store that extraction is still writing. (None, []) while the shard has not started. Rows are
+    trusted up to `progress.committed_samples` only (see the commit protocol above)."""
+    g, prog = _shard_group(path, shard)
+    if g is None:
+        return None, []
+    n = prog.committed_samples
+    if n <= from_row:
+        return prog, []
+    starts, lengths = g["sample_start"][from_row:n], g["sample_length"][from_row:n]
+    ids, splits = g["sample_id"][from_row:n], g["split"][from_row:n]
+    return prog, [SampleRef(shard, int(s), int(l), int(d), int(sp), from_row + k)
+                  for k, (s, l, d, sp) in enumerate(zip(starts, lengths, ids, splits))]
 
 
 def _readable(arr, c: int) -> bool:

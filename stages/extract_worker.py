@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
+import random
 import signal
 import sys
 import threading
@@ -60,6 +62,25 @@ def plan_batches(lengths: list[int], token_budget: int, max_batch_size: int) -> 
     if cur:
         batches.append(Batch(len(batches), cur))
     return batches
+
+
+def extraction_plan(lengths: list[int], validation: list[bool], token_budget: int,
+                    max_batch_size: int) -> tuple[list[Batch], int]:
+    """The shard's batch plan and how many of its leading batches hold the validation samples.
+
+    Validation samples come first, so a training run that follows the growing store (`dflash train --follow`)
+    has its whole validation split early. Then the training samples: the longest batch first (a memory problem
+    shows at once) and the others in a fixed pseudo-random order, so a run following the store sees a mix of
+    lengths rather than longest to shortest. Batches stay length-grouped (`plan_batches`)."""
+    def pack(members: list[int]) -> list[list[int]]:
+        return [[members[i] for i in b.members] for b in plan_batches([lengths[m] for m in members], token_budget,
+                                                                    max_batch_size)]
+
+    val = pack([i for i, v in enumerate(validation) if v])
+    train = pack([i for i, v in enumerate(validation) if not v])
+    rest = train[1:]
+    random.Random(0).shuffle(rest)
+    return [Batch(k, m) for k, m in enumerate(val + train[:1] + rest)], len(val)
 
 
 def plan_fingerprint(batches: list[Batch], sample_ids: list[str]) -> str:
@@ -170,21 +191,28 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, l
         raise st.StoreError("the dataset differs from the one this store was created from; use the same data files and config")
     mine = samples[shard_index::num_shards]
     lengths = [len(s.input_ids) for s in mine]
-    plan = plan_batches(lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
+    ids = [s.sample_id for s in mine]
+    plan, val_batches = extraction_plan(lengths, [s.split == "validation" for s in mine], cfg.extract.token_budget,
+                                        cfg.extract.max_batch_size)
     writer = st.ShardWriter(store_path, shard_index, root_attrs, lock_token=lock_token)
     try:
         if writer.removed_partials:
             print(f"shard {shard_index}: removed {writer.removed_partials} stale temporary file(s) (*.partial) "
                   "left by a killed writer", file=sys.stderr, flush=True)
-        return _extract(cfg, writer, plan, mine, lengths, tokenizer, stop, root_attrs)
+        started = writer.progress.plan_fingerprint
+        if started and started != plan_fingerprint(plan, ids):  # begun by a dflash that planned longest first: keep it
+            legacy = plan_batches(lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
+            if plan_fingerprint(legacy, ids) == started:
+                plan, val_batches = legacy, -1
+        return _extract(cfg, writer, plan, val_batches, mine, lengths, tokenizer, stop, root_attrs)
     finally:
         writer.close()
 
 
-def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], mine, lengths: list[int], tokenizer,
-             stop: StopFlag, root_attrs: dict) -> int:
+def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches: int, mine, lengths: list[int],
+             tokenizer, stop: StopFlag, root_attrs: dict) -> int:
     shard_index, store_path = writer.index, writer.path
-    prog = writer.start(plan_fingerprint(plan, [s.sample_id for s in mine]), len(mine), int(sum(lengths)))
+    prog = writer.start(plan_fingerprint(plan, [s.sample_id for s in mine]), len(mine), int(sum(lengths)), val_batches)
     report = lambda p: emit("progress", shard=shard_index, batches=p.committed_batches, total_batches=len(plan),
                             samples=p.committed_samples, tokens=p.committed_tokens, planned_samples=p.planned_samples,
                             planned_tokens=p.planned_tokens, nonfinite=p.nonfinite_skipped, t=time.time())
@@ -225,8 +253,12 @@ def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], mine, lengt
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
+    delay = float(os.environ.get("DFLASH_TEST_EXTRACT_DELAY", "0") or 0)  # tests: a slow extraction to follow
+
     def batches():
         for batch in plan[prog.committed_batches:]:
+            if delay:
+                time.sleep(delay)
             members = batch.members
             S = max(lengths[m] for m in members)
             ids = torch.full((len(members), S), pad_id, dtype=torch.long)

@@ -4,7 +4,9 @@ Contract: rank 0 prints one line every `every` optimizer steps to stderr (which 
 a scheduler's log, unlike a redrawn bar) and mirrors it to RUN/progress.json, which `dflash status`-style
 tools and people in another shell can read while the run goes on. Nothing here touches the training math.
 The end of a run: `FinalCheckpoint` writes RUN/checkpoints/last.ckpt at the end of a completed fit (before
-Lightning's teardown), writing nothing when a checkpoint already holds the last step.
+Lightning's teardown), writing nothing when a checkpoint already holds the last step; `ValidateAtEnd` makes
+the last batch validate, so the run's reported tau is the final drafter's. `resumable_csv_logger`: a resumed
+run's RUN/logs/metrics.csv keeps the rows logged up to its checkpoint (Lightning's CSVLogger deleted them).
 """
 
 from __future__ import annotations
@@ -90,12 +92,16 @@ class ProgressLines(L.Callback):
         t1, step1, tokens1 = self.after_first if step > self.after_first[1] else (self.t0, self.step0, 0.0)
         dt = max(1e-6, time.time() - t1)
         rate, tok_rate = (step - step1) / dt, (self.tokens - tokens1) / dt
-        total = trainer.estimated_stepping_batches
+        planned = getattr(pl_module, "total_steps", None)  # the data plan's (it changes on a resume, ...)
+        total = planned() if callable(planned) else trainer.estimated_stepping_batches
         eta = (total - step) / rate if rate > 0 else float("nan")
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("train/", "val/"))}
         state = {"state": "running", "step": step, "total_steps": int(total), "epoch": trainer.current_epoch,
                  "steps_per_s": rate, "tokens_per_s": tok_rate, "eta_s": eta, "time": time.time(),
                  "first_batch_s": self.first_step_s, "metrics": m}
+        data = getattr(pl_module, "data_state", None)
+        if callable(data):  # where the data plan stands (a following run: how far behind extraction)
+            state["data"] = data()
         line = (f"train: step {step}/{int(total)} epoch {trainer.current_epoch} loss {m.get('train/loss', float('nan')):.4f} "
                 f"tau {m.get('train/tau', float('nan')):.2f} {rate:.2f} steps/s {tok_rate:,.0f} tok/s "
                 f"ETA {eta / 60:.1f} min")
@@ -112,6 +118,9 @@ class ProgressLines(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception):
         if trainer.is_global_zero:
+            if isinstance(exception, (KeyboardInterrupt, SystemExit)):  # Ctrl-C, SIGTERM: resumable
+                self._write({"state": "stopped", "step": trainer.global_step, "time": time.time()})
+                return
             self._write({"state": "failed", "step": trainer.global_step, "error": f"{type(exception).__name__}: {exception}",
                          "time": time.time()})
 
@@ -194,3 +203,72 @@ class FinalCheckpoint:
                 opt.state.clear()
             for p in pl_module.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+class ValidateAtEnd(L.Callback):
+    """Validation runs every train.val_every batches (counted across epochs); this makes the last batch of the
+    run validate too, so the summary's tau is the final drafter's. Lightning validates after a batch whenever
+    `should_stop` is set, and the run ends there anyway."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        last_epoch = trainer.current_epoch >= trainer.max_epochs - 1 and batch_idx + 1 >= trainer.num_training_batches
+        if last_epoch or 0 <= trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True
+
+
+def resumable_csv_logger(run_dir: Path, logged_through: int | None):
+    """Lightning's CSVLogger writing RUN/logs/metrics.csv. It deletes an existing file when it starts; for a
+    resumed run (`logged_through` = the checkpoint's last logged step) this one keeps the rows up to that step
+    and drops those after it, which the resumed run logs again."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+    from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+    class KeepingWriter(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:
+            path = Path(self.metrics_file_path)
+            rows = []
+            if logged_through is not None and path.exists():
+                with open(path, newline="") as f:
+                    rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= logged_through]
+            path.unlink(missing_ok=True)
+            if rows:
+                self.metrics_keys = sorted(rows[0])
+                with open(path, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=self.metrics_keys)
+                    w.writeheader()
+                    w.writerows(rows)
+
+    class KeepingCSVLogger(CSVLogger):
+        @property
+        @rank_zero_experiment
+        def experiment(self):
+            if self._experiment is None:
+                os.makedirs(self.root_dir, exist_ok=True)
+                self._experiment = KeepingWriter(log_dir=self.log_dir)
+            return self._experiment
+
+    return KeepingCSVLogger(run_dir, name="logs", version="")
+
+
+class SigtermLikeCtrlC(L.Callback):
+    """SIGTERM (`kill PID`, a scheduler) stops training the way Ctrl-C does: a KeyboardInterrupt in the main
+    thread, so Lightning's tested Ctrl-C path runs (SIGKILL to the ranks the launcher started, exit 130 with a
+    resume hint). Lightning 2.6's own SIGTERM handler broadcasts a tensor from inside the signal handler, which
+    runs wherever the signal lands: in the step's all-reduce on rank 0 while rank 1 was in the backward's, the
+    collectives never matched and the job hung for good (seen in test_ops under load; stacks read with py-spy).
+    It also let a following run wait for extraction forever: a flag is read only between batches."""
+
+    def on_train_start(self, trainer, pl_module):
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, _frame):
+            trainer._signal_connector.received_sigterm = True
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        signal.signal(signal.SIGTERM, handler)

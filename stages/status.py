@@ -70,6 +70,11 @@ def show_status(path: str, out=sys.stdout) -> int:
         if rec.get("steps_per_s"):
             print(f"  {rec['steps_per_s']:.2f} steps/s, {rec['tokens_per_s']:,.0f} tokens/s, ETA {rec['eta_s'] / 60:.1f} min",
                   file=out)
+        d = rec.get("data", {})
+        if d.get("stream_epoch") and "readable_samples" in d:  # a run following a store still being written
+            behind = max(0, d["readable_samples"] - d["global_batches_done"] * d["batch_size"])
+            print(f"  following the store: first epoch in commit order, {behind} committed samples not trained yet"
+                  + ("" if d.get("store_final") else ", extraction still writing"), file=out)
         for k, v in sorted(rec.get("metrics", {}).items()):
             print(f"  {k} = {v:.4f}", file=out)
         if rec.get("error"):

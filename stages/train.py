@@ -3,12 +3,18 @@
 Contract:
 - Reads only the store (features, tokens, masks, frozen_head.safetensors); never loads the target.
 - Refuses a store whose provenance does not match the config (target name, layer ids, hidden size,
-  vocabulary/mask token), naming each difference, and an incomplete store.
+  vocabulary/mask token), naming each difference.
+- A store still being written is followed (`--follow`, or said so and done when the store is unfinished):
+  training starts once the validation split and one optimizer step's samples are committed, reads committed
+  samples only, waits when it has caught up, and ends after the configured epochs over the final store
+  (data/follow.py; the first epoch takes samples in commit order, data/sampler.py).
 - `strategy="ddp"` with one process per named GPU (`--gpus 5,6,7`), or CPU processes over gloo
   (`--devices N`). Lightning re-executes the command once per rank, so everything before `fit` here is
   deterministic and rank-independent (reading attrs, building objects, creating the same directories).
 - Checkpoints every train.checkpoint_every steps and at the end into RUN/checkpoints (last.ckpt);
-  `--resume` continues from last.ckpt with the same step, optimiser, scheduler and data position.
+  `--resume` continues from last.ckpt with the same step, optimiser, scheduler and data position (the same
+  sample of the same epoch; on another number of ranks the rest of the epoch is dealt over the new ranks),
+  and RUN/logs/metrics.csv keeps the rows logged up to the checkpoint.
 - At the end, rank 0 exports the drafter to RUN/export (the serving directory format).
 """
 
@@ -58,19 +64,35 @@ def check_store_matches(cfg: Config, attrs: dict) -> list[int]:
     return expected_ids
 
 
-def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int, world: int, pad_multiple: int):
+def _sources(reader) -> tuple:
+    """(training samples, validation refs) of a finished store's reader or of a growing store (--follow)."""
+    from data.follow import GrowingStore
+    from data.sampler import FixedSamples
+
+    if isinstance(reader, GrowingStore):
+        return reader, reader.validation()
+    train = [r for r in reader.samples if r.split == st.SPLITS["train"]]  # ordered by sample id
+    return FixedSamples(train), [r for r in reader.samples if r.split == st.SPLITS["validation"]]
+
+
+def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pad_multiple: int,
+                 stream_epochs: tuple = ()):
+    from data.follow import GrowingStore
+    from data.sampler import FixedSamples
     from data.store_dataset import RankBatchSampler, ResumableLoader, StoreDataset, collate, worker_init
 
     t = cfg.train
-    train_idx, val_idx = reader.indices("train"), reader.indices("validation")
-    if not train_idx:
+    train, val = _sources(reader)
+    if not train.planned:
         raise TrainError(f"the store at {store_path} has no training samples")
-    lengths = lambda idx: [reader.samples[i].length for i in idx]  # noqa: E731
+    growing = isinstance(reader, GrowingStore)
     a_mult = max(1, 128 // cfg.drafter.block_size) if pad_multiple > 1 else 1
     n_anchor = int(-(-t.num_anchors // a_mult) * a_mult)
     col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
-    train_ds = StoreDataset(store_path, train_idx, t.num_anchors, t.seed)
-    sampler = RankBatchSampler(lengths(train_idx), t.batch_size, rank, world, t.seed)
+    wait_log = str(Path(t.run_dir) / "logs" / "rank0.log") if growing and rank == 0 else None  # waits said there
+    train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log)
+    sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs,
+                               buffer=t.follow_buffer)
     # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock
     kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init,
               multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
@@ -83,11 +105,75 @@ def _dataloaders(cfg: Config, store_path: str, reader: st.StoreReader, rank: int
         train_dl.batch_weight = lambda b: loss_weight_sum(b["tokens"], b["loss_mask"], b["anchors"],
                                                           cfg.drafter.block_size, t.gamma)
     val_dl = None
-    if val_idx:
-        val_ds = StoreDataset(store_path, val_idx, t.num_anchors, t.seed, fixed_anchors=True)
-        val_sampler = RankBatchSampler(lengths(val_idx), t.batch_size, rank, world, t.seed, shuffle=False)
+    if val:
+        val_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, fixed_anchors=True, growing=growing)
+        val_sampler = RankBatchSampler(FixedSamples(val), t.batch_size, rank, world, t.seed, shuffle=False)
         val_dl = torch.utils.data.DataLoader(val_ds, batch_sampler=val_sampler, **{**kw, "persistent_workers": False})
     return train_dl, val_dl, sampler
+
+
+def _checkpoint_state(path: Path) -> dict:
+    """What a resume needs before Lightning loads the checkpoint: the data position and the last logged step.
+
+    The data position is restored here, not left to Lightning: Lightning 2.6 restores a loader's state in
+    FitLoop.setup_data only, and a train loader already set up by then (as Lightning's
+    `estimated_stepping_batches` does from configure_optimizers) never got it: a resumed epoch restarted at
+    batch 0 (issue 23). Memory-mapped: the weights are not read."""
+    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    loop = ckpt.get("loops", {}).get("fit_loop", {})
+    loaders = loop.get("state_dict", {}).get("combined_loader") or [None]
+    return {"loader": loaders[0], "global_step": int(ckpt.get("global_step", 0)),
+            "logged_through": int(loop.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", -1))}
+
+
+def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optional[dict], launcher: bool, rank: int,
+                world: int):
+    """(root attrs, reader, stream epochs): a finished store's reader, or a growing store once it is trainable."""
+    from data.follow import GrowingStore, min_start_samples, wait_for_store
+
+    try:
+        attrs = st.read_root_attrs(store_path)
+    except st.StoreError:
+        if not follow:
+            raise
+        attrs = None  # being created by the extraction this run follows
+    if attrs is None and not follow:
+        raise TrainError(f"no store at {store_path}; run `dflash extract` first or pass --store PATH")
+    if attrs is None or (follow and not st.exists(st.frozen_head_path(store_path))):
+        attrs = wait_for_store(store_path, say=None if rank == 0 else (lambda _m: None))
+    check_store_matches(cfg, attrs)
+    unfinished = _unfinished_shards(store_path, attrs)
+    if unfinished and not follow:
+        if launcher:
+            print(f"train: the store at {store_path} is still being written (shard(s) {unfinished} not finished): "
+                  "training follows the extraction, as with --follow (waits when it has caught up, ends after "
+                  f"train.epochs over the final store)", file=sys.stderr, flush=True)
+        follow = True
+    if follow and launcher:
+        os.environ["DFLASH_TRAIN_FOLLOW"] = "1"  # the ranks Lightning starts follow too, whatever they find
+    saved = (resume_state or {}).get("loader") or {}  # a resumed run keeps the epochs its checkpoint streamed
+    stream_epochs = tuple(saved.get("stream_epochs", ())) if resume_state else ((0,) if follow else ())
+    if not follow and not stream_epochs:
+        head = st.frozen_head_path(store_path)
+        if not st.exists(head):
+            raise TrainError(f"{head} is missing: the store is incomplete; resume `dflash extract` to write it")
+        check_frozen_head(store_path)  # its checksum: a changed or damaged head stops here, not in training
+        return attrs, st.StoreReader(store_path), stream_epochs
+    check_frozen_head(store_path)  # written (checksum first) before any shard's first batch
+    growing = GrowingStore(store_path, report=rank == 0)
+    t = cfg.train
+    saved_buffer = saved.get("buffer", t.follow_buffer)  # a resumed run draws as it did
+    growing.wait_until_trainable(min_start_samples(world, t.batch_size, t.accumulate_grad_batches) + saved_buffer)
+    return attrs, growing, stream_epochs
+
+
+def _world_changed(resume_state: Optional[dict], world: int) -> bool:
+    loader = (resume_state or {}).get("loader") or {}
+    return int(loader.get("world_size", world)) != world
+
+
+def _unfinished_shards(store_path: str, attrs: dict) -> list[int]:
+    return [i for i in range(int(attrs["num_shards"])) if not (st.shard_progress(store_path, i) or st.Progress()).done]
 
 
 def _compile_cache(cfg: Config, rebuild: bool, report: bool) -> Path:
@@ -134,24 +220,15 @@ def _streaming_checkpoint_io():
 
 
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
-              command: str, export: bool = True, rebuild_compile_cache: bool = False) -> int:
+              command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
-
-    from stages.progress import FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, log_process_output, save_final
+    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
+                                 ValidateAtEnd, log_process_output, resumable_csv_logger, save_final)
     from stages.train_module import DrafterTask
 
     store_path = store or cfg.store.path
-    attrs = st.read_root_attrs(store_path)
-    if attrs is None:
-        raise TrainError(f"no store at {store_path}; run `dflash extract` first or pass --store PATH")
-    layer_ids = check_store_matches(cfg, attrs)
-    reader = st.StoreReader(store_path)  # refuses an incomplete store
-    head = st.frozen_head_path(store_path)
-    if not st.exists(head):
-        raise TrainError(f"{head} is missing: the store is incomplete; resume `dflash extract` to write it")
-    check_frozen_head(store_path)  # its checksum: a changed or damaged head stops here, not in training
+    follow = follow or os.environ.get("DFLASH_TRAIN_FOLLOW") == "1"  # set for its ranks by a following launcher
     run_dir = Path(cfg.train.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     last = ckpt_dir / "last.ckpt"
@@ -192,9 +269,21 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         from pipeline.preflight import check_gpus_free
 
         check_gpus_free(list(devs), need_gib=16)
+    resume_state = _checkpoint_state(last) if resume else None
+    attrs, reader, stream_epochs = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
+    layer_ids, head = check_store_matches(cfg, attrs), st.frozen_head_path(store_path)
     if use_gpu:
         _compile_cache(cfg, rebuild=rebuild_compile_cache and launcher, report=launcher)
-    train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1)
+    train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1, stream_epochs)
+    from data.sampler import remaining_steps
+
+    # the LR schedule's length: a fresh run's plan (a following run counts the samples the store will hold);
+    # a resumed run gets its schedule back from the checkpoint and adjusts it when the plan changed (train_module)
+    planned = remaining_steps(sampler, cfg.train.epochs, cfg.train.accumulate_grad_batches, planned=bool(stream_epochs))
+    if cfg.train.max_steps >= 0:
+        planned = min(planned, cfg.train.max_steps)
+    if resume_state and resume_state["loader"]:
+        sampler.load_state_dict(resume_state["loader"])
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_process_output(run_dir, rank)
@@ -206,13 +295,15 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
                            target_meta=attrs["target"], store_path=store_path)
 
     task.train_sampler = sampler  # the step records consumed batches; Lightning checkpoints the loader's state
+    task.planned_steps = planned
     # save_last="link": last.ckpt is a symlink to the newest step checkpoint, not a second full copy
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last="link",
                                  save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
     checkpoint_path = ckpt_dir / "last.ckpt"
     progress = ProgressLines(run_dir, cfg.train.log_every)
     task.on_train_finished = final = FinalCheckpoint(checkpoint, checkpoint_path, free=use_gpu, progress=progress)
-    loggers = [CSVLogger(run_dir, name="logs", version="")]
+    # a resumed run keeps the CSV rows logged up to its checkpoint and drops those after it (logged again)
+    loggers = [resumable_csv_logger(run_dir, resume_state["logged_through"] if resume_state else None)]
     try:
         from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -224,9 +315,15 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     trainer = L.Trainer(
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
-        accumulate_grad_batches=cfg.train.accumulate_grad_batches, callbacks=[checkpoint, progress, ForceOnSecondCtrlC()],
-        logger=loggers, log_every_n_steps=cfg.train.log_every, val_check_interval=min(cfg.train.val_every, len(sampler)),
-        check_val_every_n_epoch=1, num_sanity_val_steps=0, use_distributed_sampler=False,
+        accumulate_grad_batches=cfg.train.accumulate_grad_batches,
+        callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC()],
+        # a resume on another number of ranks makes its first epoch another length than the next ones: only then
+        # is the loader asked for its length every epoch (each ask is a collective). Validation counts batches
+        # across epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
+        reload_dataloaders_every_n_epochs=1 if _world_changed(resume_state, world) else 0, logger=loggers,
+        log_every_n_steps=cfg.train.log_every,
+        val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        use_distributed_sampler=False,
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,
         plugins=[_streaming_checkpoint_io()],
     )

@@ -8,11 +8,20 @@ Contract:
   frozen head (pipeline.loss), normalised by the weight sum over ALL ranks.
 - Metrics: loss, per-slot accuracy and tau = 1 + sum_k prod_{i<=k} acc_i, for train and validation.
 - A non-finite loss on any rank stops every rank at that step with a hint; the last checkpoint stays good.
+- The learning rate follows `WarmupCosine` over the planned optimizer steps; when the plan changes (a resume
+  on another number of ranks, a followed store that ended smaller than planned) the rest of the schedule is
+  stretched over the new remaining steps, so the rate never jumps. The same plan on every rank.
+- DFLASH_SAMPLE_LOG=1: every rank appends the sample ids of each batch it trains to
+  RUN/logs/samples-rankN.jsonl (a debugging and test aid: which samples each rank consumed, in order).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import sys
+import time
 from typing import Optional
 
 import lightning as L
@@ -41,6 +50,37 @@ def compute_dtype(device_type: str, precision: str) -> torch.dtype:
     return torch.bfloat16 if device_type == "cuda" and precision.startswith("bf16") else torch.float32
 
 
+class WarmupCosine:
+    """The learning-rate factor by optimizer step: linear warmup over warmup_ratio of `total`, then cosine to 0.
+
+    `replan(step, remaining)` keeps the factor at `step` and stretches the rest of the curve over `remaining`
+    steps (a "virtual" step runs at a new rate from there). A callable object, so LambdaLR checkpoints its
+    state with the scheduler's. Without a replan the factors equal the plain formula over integer steps."""
+
+    def __init__(self, total: int, warmup_ratio: float):
+        self.total = max(1, int(total))
+        self.warmup = max(1, int(self.total * warmup_ratio))
+        self.s0, self.v0, self.rate = 0, 0.0, 1.0
+
+    def virtual(self, step: int) -> float:
+        return self.v0 + (step - self.s0) * self.rate
+
+    def __call__(self, step: int) -> float:
+        v = self.virtual(step)
+        if v < self.warmup:
+            return (v + 1) / self.warmup
+        progress = min(1.0, (v - self.warmup) / max(1, self.total - self.warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def remaining(self, step: int) -> float:
+        return max(0.0, self.total - self.virtual(step)) / self.rate
+
+    def replan(self, step: int, remaining: int) -> None:
+        v = self.virtual(step)
+        self.s0, self.v0 = step, v
+        self.rate = max(self.total - v, 1e-9) / remaining if remaining > 0 else 1.0
+
+
 class DrafterTask(L.LightningModule):
     def __init__(self, cfg: Config, layer_ids: list[int], vocab_size: int, head_path: str, steps_per_epoch: int,
                  encoding: str, target_meta: Optional[dict] = None, store_path: str = ""):
@@ -55,6 +95,9 @@ class DrafterTask(L.LightningModule):
         self.train_sampler = None  # set by stages.train (data position for resume)
         self.on_train_finished = None  # set by stages.train: the final checkpoint (stages.progress.FinalCheckpoint)
         self.target_meta, self.store_path = dict(target_meta or {}), store_path
+        self.planned_steps: Optional[int] = None  # set by stages.train (the LR schedule's length)
+        self.lr_schedule: Optional[WarmupCosine] = None
+        self._sample_log = None
 
     # -- frozen head ------------------------------------------------------------------------------------
     def _load_head(self) -> None:
@@ -84,6 +127,54 @@ class DrafterTask(L.LightningModule):
             # lengths, one batch of 1, validation) already needed 8, dynamo's default and the old limit.
             loud_recompiles(limit=16)
             self.drafter.compile_layers()  # regional compilation (see DFlashDrafter.compile_layers)
+
+    def on_train_start(self) -> None:  # after the checkpoint's states are restored
+        self._plan_lr()
+
+    def on_train_epoch_start(self) -> None:
+        self._plan_lr()
+
+    def remaining_steps(self) -> Optional[int]:
+        """Optimizer steps left by the data plan (None without a sampler), capped by train.max_steps."""
+        if self.train_sampler is None:
+            return None
+        from data.sampler import remaining_steps
+
+        left = remaining_steps(self.train_sampler, self.trainer.max_epochs, self.trainer.accumulate_grad_batches)
+        if self.trainer.max_steps is not None and self.trainer.max_steps >= 0:
+            left = min(left, max(0, self.trainer.max_steps - self.global_step))
+        return left
+
+    def total_steps(self) -> int:
+        """The step count the run is planned to end at (for progress and ETA)."""
+        if self.lr_schedule is None:
+            return int(self.trainer.estimated_stepping_batches)
+        return int(round(self.global_step + self.lr_schedule.remaining(self.global_step)))
+
+    def data_state(self) -> dict:
+        """Where the data plan stands, for progress.json (a following run: how far behind extraction it is)."""
+        s = self.train_sampler
+        if s is None:
+            return {}
+        d = {"epoch": s.epoch, "global_batches_done": s.global_done(), "global_batches": s.global_batches(s.epoch),
+             "batch_size": s.batch_size, "stream_epoch": s.epoch in s.stream_epochs}
+        if hasattr(s.source, "stream"):  # a growing store (data/follow.py); its loader workers do the waiting
+            s.source.refresh()
+            d.update(readable_samples=len(s.source.stream), planned_samples=s.source.planned, store_final=s.source.final)
+        return d
+
+    def _plan_lr(self) -> None:
+        """Stretch the rest of the LR schedule over the steps the data plan now leaves. Every rank computes the
+        same plan without a collective (the sampler never counts on how far a growing store has got)."""
+        left = self.remaining_steps()
+        if left is None or self.lr_schedule is None:
+            return
+        step, sched = self.global_step, self.lr_schedule
+        if abs(sched.remaining(step) - left) > 0.5:
+            if self.trainer.is_global_zero:
+                print(f"train: the learning-rate schedule now ends after {left} more steps (step {step + left}, "
+                      f"planned {step + sched.remaining(step):.0f}): the data plan changed", file=sys.stderr, flush=True)
+            sched.replan(step, left)
 
     def on_train_end(self) -> None:  # after every callback's on_train_end, before Lightning's teardown
         if self.on_train_finished is not None:
@@ -143,6 +234,8 @@ class DrafterTask(L.LightningModule):
         acc = stats["hits"][1:] / stats["counts"][1:].clamp(min=1)
         if self.train_sampler is not None:
             self.train_sampler.consumed = batch_idx + 1
+        if os.environ.get("DFLASH_SAMPLE_LOG"):
+            self._log_samples(batch, batch_idx)
         B, S = batch["tokens"].shape
         self.log_dict({"train/loss": loss_sum.detach() / stats["weight_sum"].clamp(min=1e-6),
                        "train/tau": tau_from_slot_acc(acc.detach().cpu()),
@@ -150,6 +243,14 @@ class DrafterTask(L.LightningModule):
         self.log("train/tokens", float(batch["seq_lens"].sum()), on_step=True, reduce_fx="sum", batch_size=B)
         self.log_dict({f"train/{k}": v for k, v in stats["extra"].items()}, on_step=True, batch_size=B)  # dflash2
         return loss
+
+    def _log_samples(self, batch: dict, batch_idx: int) -> None:
+        if self._sample_log is None:
+            path = os.path.join(self.cfg.train.run_dir, "logs", f"samples-rank{self.global_rank}.jsonl")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._sample_log = open(path, "a", buffering=1)
+        self._sample_log.write(json.dumps({"step": self.global_step, "epoch": self.current_epoch, "batch": batch_idx,
+                                           "ids": batch["sample_ids"], "t": round(time.time(), 3)}) + "\n")
 
     def on_validation_epoch_start(self) -> None:
         self._val = {"loss": 0.0, "w": 0.0, "hits": torch.zeros(self.bs), "counts": torch.zeros(self.bs)}
@@ -182,16 +283,11 @@ class DrafterTask(L.LightningModule):
             (no_decay if p.ndim < 2 else decay).append(p)
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                                 lr=t.lr, betas=tuple(t.betas), foreach=True)  # not fused: Lightning clips gradients before the step
-        total = self.trainer.estimated_stepping_batches
-        warmup = max(1, int(total * t.warmup_ratio))
-
-        def lr_lambda(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        # the planned steps come from the data plan (stages.train); Lightning's estimate would set the train
+        # dataloader up here, before a resumed run's loader state is restored (it then never was: issue 23)
+        total = self.planned_steps if self.planned_steps is not None else self.trainer.estimated_stepping_batches
+        self.lr_schedule = WarmupCosine(total, t.warmup_ratio)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoint extras ------------------------------------------------------------------------------

@@ -1,0 +1,188 @@
+"""Which samples each rank trains on, epoch by epoch, so that a run can stop anywhere and resume exactly.
+
+Contract:
+- An epoch is a list of *global* batches that does not depend on the number of ranks: a shuffled,
+  length-grouped pass over a finished store's split (a "window" epoch), or, for the first epoch of a run that
+  follows a store still being written, the samples in the order they were committed (a "stream" epoch,
+  data/follow.py). Either way an epoch of N samples has K = ceil(N / batch_size) global batches.
+- Ranks take the global batches in rounds: from the epoch's position p, rank r trains p + r, p + r + W, ...
+  The last round is completed with filler batches (one sample with its loss mask zeroed: no loss, no
+  gradient), so every sample is trained exactly once per epoch on exactly one rank, and every rank has the
+  same number of batches. (Before fillers the last few batches of an epoch were dropped.)
+- The state is (epoch, batches this rank finished, global batches finished). The global list is the same for
+  any world size, so a run resumed on W' ranks deals the rest of the epoch over W' ranks: nothing is trained
+  twice or skipped, whatever W' is.
+- Lightning asks for the length and the iterator of the next epoch before it calls `set_epoch`; the sampler
+  knows the next epoch itself (an epoch whose batches were all consumed is followed by the next one), so the
+  order of those calls does not matter. `consumed` is set by the training step (batches finished this epoch).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from data.follow import StreamSlot
+
+
+def window_plan(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, shuffle: bool = True,
+                group_factor: int = 32) -> list[list[int]]:
+    """An epoch's global batches (positions into `lengths`): shuffled, then sorted by length inside windows of
+    batch_size * group_factor samples (little padding, still random overall), batches shuffled."""
+    n = len(lengths)
+    order = list(range(n))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    group = batch_size * group_factor
+    batches = []
+    for g0 in range(0, n, group):
+        window = sorted(order[g0 : g0 + group], key=lambda i: lengths[i])
+        batches += [window[i : i + batch_size] for i in range(0, len(window), batch_size)]
+    if shuffle:
+        random.Random(seed * 7_919 + epoch).shuffle(batches)
+    return batches
+
+
+class FixedSamples:
+    """A fixed list of samples (a finished store's split): `keys` as the dataset reads them, and their lengths."""
+
+    final = True
+
+    def __init__(self, keys: Sequence[Any], lengths: Optional[Sequence[int]] = None):
+        self.keys = list(keys)
+        self.lengths = list(lengths) if lengths is not None else [k.length for k in self.keys]
+
+    @property
+    def planned(self) -> int:
+        return len(self.keys)
+
+    def all(self) -> tuple[list, list[int]]:
+        return self.keys, self.lengths
+
+    def filler(self) -> Any:
+        return self.keys[min(range(len(self.keys)), key=lambda i: self.lengths[i])]
+
+
+class _EpochCounter:
+    """Lightning calls `set_epoch` on `loader.batch_sampler.sampler`, not on the batch sampler: this forwards it."""
+
+    def __init__(self, owner: "RankBatchSampler"):
+        self.owner = owner
+
+    def set_epoch(self, epoch: int) -> None:
+        self.owner.set_epoch(epoch)
+
+
+class RankBatchSampler(torch.utils.data.Sampler):
+    """Batches of items (key, epoch, filler) for one rank; see the module docstring.
+
+    `samples`: a list of lengths (keys are positions), `FixedSamples`, or a growing store (data/follow.py).
+    `stream_epochs`: epochs taken as a stream of commits (a following run's first epoch)."""
+
+    def __init__(self, samples, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, group_factor: int = 32, stream_epochs: Sequence[int] = (), buffer: int = 0):
+        self.source = samples if hasattr(samples, "all") else FixedSamples(range(len(samples)), samples)
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.shuffle, self.group_factor = seed, shuffle, group_factor
+        self.stream_epochs, self.buffer = set(stream_epochs), buffer  # buffer: a stream epoch's shuffle buffer
+        self.sampler = _EpochCounter(self)  # Lightning sets the epoch here at the start of every epoch
+        self.epoch = 0
+        self.k0 = self.p0 = 0  # this rank's and the global batches done in `epoch` when this process took it up
+        self.consumed = 0  # batches of `epoch` this rank has finished (set by the training step)
+        self._plan: tuple[int, list[list[int]]] = (-1, [])
+
+    # -- sizes ----------------------------------------------------------------------------------------------
+    def global_batches(self, epoch: int, planned: bool = False) -> int:
+        """K: global batches of `epoch`. Stream epochs (and `planned`) count the store's planned samples; an
+        epoch that ends short of them (samples dropped for NaN features) is completed with fillers; so are the
+        other epochs of a run that streamed one. A run on a finished store counts its samples."""
+        # a following run deals every epoch to the planned count (fillers make up for dropped samples): one
+        # length for all epochs, an exact LR schedule, and nothing decided on how far a rank has seen the store
+        n = self.source.planned if planned or self.stream_epochs else len(self.source.all()[0])
+        return max(1, math.ceil(n / self.batch_size))
+
+    def epoch_length(self, epoch: int, planned: bool = False) -> int:
+        """This rank's batches in `epoch`; for the epoch under way, counted from its start (what Lightning counts)."""
+        K = self.global_batches(epoch, planned)
+        if epoch == self.epoch:
+            return self.k0 + math.ceil(max(0, K - self.p0) / self.world_size)
+        return math.ceil(K / self.world_size)
+
+    def global_done(self) -> int:
+        return min(self.global_batches(self.epoch), self.p0 + (self.consumed - self.k0) * self.world_size)
+
+    def _roll(self) -> None:
+        """An epoch whose batches were all consumed is followed by the next one, from its start."""
+        if self.consumed and self.consumed >= self.epoch_length(self.epoch):
+            self.epoch, self.k0, self.p0, self.consumed = self.epoch + 1, 0, 0, 0
+
+    def upcoming(self) -> tuple[int, int]:
+        """(epoch, batches of it already done) of the epoch the next iteration serves."""
+        self._roll()
+        return self.epoch, self.k0
+
+    def set_epoch(self, epoch: int) -> None:
+        self._roll()
+        if epoch != self.epoch:  # Lightning knows better (e.g. a checkpoint without loader state): start it afresh
+            self.epoch, self.k0, self.p0, self.consumed = epoch, 0, 0, 0
+
+    def __len__(self) -> int:
+        self._roll()
+        return self.epoch_length(self.epoch)
+
+    # -- iteration -----------------------------------------------------------------------------------------
+    def _window(self, epoch: int) -> list[list[int]]:
+        if self._plan[0] != epoch:
+            _, lengths = self.source.all()
+            self._plan = (epoch, window_plan(lengths, self.batch_size, self.seed, epoch, self.shuffle, self.group_factor))
+        return self._plan[1]
+
+    def __iter__(self) -> Iterator[list[tuple]]:
+        self._roll()
+        e, p0, W = self.epoch, self.p0, self.world_size
+        K = self.global_batches(e)
+        stream = e in self.stream_epochs
+        keys = None if stream else self.source.all()[0]
+        plan = None if stream else self._window(e)
+        for i in range(math.ceil(max(0, K - p0) / W)):
+            g = p0 + i * W + self.rank
+            if stream:  # slots a loader worker resolves once the whole round is committed (data/follow.py)
+                yield [(StreamSlot(g, j, self.batch_size, p0 + (i + 1) * W, self.buffer), e, False)
+                       for j in range(self.batch_size)]
+                continue
+            batch = [keys[j] for j in plan[g]] if g < len(plan) else []
+            if batch:
+                yield [(k, e, False) for k in batch]
+            else:  # the epoch's last round: this rank has no batch left, it trains a zero-weight filler
+                yield [(self.source.filler(), e, True)]
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches_done": self.consumed, "global_done": self.global_done(),
+                "world_size": self.world_size, "stream_epochs": sorted(self.stream_epochs), "buffer": self.buffer}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where `state` was saved, possibly with another world size. A state of an older dflash (epoch
+        and batches_done only, same world size) means the same position: its ranks also took batches in rounds."""
+        self.epoch = int(state["epoch"])
+        self.k0 = self.consumed = int(state["batches_done"])
+        self.p0 = int(state.get("global_done", self.k0 * int(state.get("world_size", self.world_size))))
+        if "stream_epochs" in state:
+            self.stream_epochs = set(int(e) for e in state["stream_epochs"])
+        self.buffer = int(state.get("buffer", self.buffer))  # the stream epoch's batches as they were drawn
+
+    def resume(self, epoch: int, batches_done: int) -> None:
+        """Skip the first `batches_done` batches of `epoch` on this rank (the same world size trained them)."""
+        self.load_state_dict({"epoch": epoch, "batches_done": batches_done})
+
+
+def remaining_steps(sampler: RankBatchSampler, epochs: int, accumulate: int, planned: bool = False) -> int:
+    """Optimizer steps left: the rest of the upcoming epoch, then whole epochs up to `epochs`. Lightning steps
+    every `accumulate` batches of an epoch (counted from its start) and on its last batch."""
+    e, _ = sampler.upcoming()
+    done, length = sampler.consumed, sampler.epoch_length(e, planned)
+    steps = math.ceil(length / accumulate) - done // accumulate if done < length else 0
+    return steps + sum(math.ceil(sampler.epoch_length(x, planned) / accumulate) for x in range(e + 1, epochs))
