@@ -232,8 +232,15 @@ def _build_section(cls: type, raw: Any, section: str, source: str) -> Any:
         raise ConfigError(
             f"{source}: unknown key '{section}.{unknown[0]}' (valid keys of '{section}': {', '.join(sorted(names))})"
         )
-    kwargs = {k: _check_type(v, hints[k], f"{source}: {section}.{k}") for k, v in raw.items()}
+    kwargs = {k: _check_type(_on_off(section, k, v), hints[k], f"{source}: {section}.{k}") for k, v in raw.items()}
     return cls(**kwargs)
+
+
+def _on_off(section: str, key: str, value: Any) -> Any:
+    """YAML 1.1 reads `on`/`off` (and yes/no) as booleans: give an on/off choice its word back."""
+    if isinstance(value, bool) and "on" in _CHOICES.get((section, key), ()):
+        return "on" if value else "off"
+    return value
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "source"}

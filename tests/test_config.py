@@ -63,6 +63,16 @@ def test_overrides_are_validated(tmp_path):
         load_config(p, ["train.lr=fast"])
 
 
+def test_on_off_choices_survive_yaml_booleans(tmp_path):
+    """YAML 1.1 reads `on`/`off` as true/false: `--set train.compile=on` (as the README writes it) and
+    `compile: off` in a file mean the words, not a type error; other keys still refuse a boolean."""
+    p = _write(tmp_path, "train: {compile: off}\n")
+    assert load_config(p).train.compile == "off"
+    assert load_config(p, ["train.compile=on"]).train.compile == "on"
+    with pytest.raises(ConfigError, match="expected a string"):
+        load_config(p, ["store.encoding=on"])
+
+
 def test_layer_id_rule():
     assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert build_target_layer_ids(8, 3) == [1, 3, 5]

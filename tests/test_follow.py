@@ -44,7 +44,7 @@ def test_growing_store_reads_committed_rows_in_stream_order(tmp_path):
     assert g.validation_ready() and [r.sample_id for r in g.validation()] == [100, 200]
     assert [r.sample_id for r in g.stream] == [101] and g.blocked == 1  # shard 1's row 1 (key 0.3) ties 101's
     # rows written but not committed (an interrupted batch) are never read
-    arr = st.ShardWriter(path, 1, PROV).arrays
+    arr = w1.arrays  # the writer's own arrays: a second writer of the shard would be refused
     for name in ("sample_start", "sample_length", "sample_id", "split"):
         arr[name].resize((3,))
         arr[name][1:3] = 7
@@ -245,6 +245,7 @@ def test_a_shard_begun_with_the_old_plan_resumes_with_it(tmp_path):
                                       committed_tokens=sum(lengths[m] for m in first),
                                       plan_fingerprint=plan_fingerprint(legacy, [s.sample_id for s in mine]),
                                       planned_samples=len(mine), planned_tokens=sum(lengths)).to_attrs()
+    g.attrs[st.PROGRESS_SHA] = st.digest(g.attrs["progress"])  # its checksum, as a writer commits it
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 0 and "complete" in r.stderr, r.stderr[-2000:]
     prog, refs = st.committed_refs(store, 0)
