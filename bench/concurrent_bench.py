@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline import store as st  # noqa: E402
 from pipeline.encoding import encode  # noqa: E402
+from pipeline.provenance import write_frozen_head  # noqa: E402
 
 
 def build_target(a, device: torch.device):
@@ -110,7 +111,7 @@ def random_store(path: Path, a, n: int, head: Path, device: torch.device) -> Non
         toks, mask = _sample(a, i, g)
         w.write_batch(np.array([i + 1], np.uint64), np.zeros(1, np.uint8), np.array([a.seq], np.int32), toks, mask, parts)
     w.finish()
-    os.link(head, st.frozen_head_path(str(path)))
+    write_frozen_head(str(path), head.read_bytes())  # with its checksum, as extraction writes it
 
 
 class Train:
@@ -118,7 +119,7 @@ class Train:
 
     def __init__(self, a, store: Path, run: Path, follow: bool):
         shutil.rmtree(run, ignore_errors=True)
-        sets = ["target.name=bench", f"target.layer_ids={a.layer_ids}", f"train.run_dir={run}", "train.epochs=1000",
+        sets = ["target.name=bench", "target.path=bench", f"target.layer_ids={a.layer_ids}", f"train.run_dir={run}", "train.epochs=1000",
                 "train.log_every=1", "train.checkpoint_every=1000000", "train.val_every=1000000",
                 "train.follow_buffer=16"] + a.train_set  # a small shuffle buffer: training starts on the backlog
         cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", a.config, "--store", str(store), "--no-export",
@@ -225,7 +226,7 @@ def main() -> None:
     st.create_or_open_store(str(store), prov)
     writer = st.ShardWriter(str(store), 0, prov)
     writer.start("bench", planned, planned * a.seq, validation_batches=0)
-    os.link(head, st.frozen_head_path(str(store)))
+    write_frozen_head(str(store), head.read_bytes())
     commits: list[tuple[float, int]] = []  # (time, tokens) per committed batch
     g = np.random.default_rng(0)
     state = {"train": None, "launch": None, "n": 0}

@@ -271,7 +271,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         check_gpus_free(list(devs), need_gib=16)
     resume_state = _checkpoint_state(last) if resume else None
     attrs, reader, stream_epochs = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
-    layer_ids, head = check_store_matches(cfg, attrs), st.frozen_head_path(store_path)
+    layer_ids, head = list(attrs["layer_ids"]), st.frozen_head_path(store_path)  # matched by _open_store
     if use_gpu:
         _compile_cache(cfg, rebuild=rebuild_compile_cache and launcher, report=launcher)
     train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1, stream_epochs)
