@@ -44,12 +44,14 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from pipeline.errors import UserError
+
 FIX_HINT = "fix the row or rerun with --set data.on_bad_row=skip"
 _SENTINEL = "\u27e6dflash-ingest-sentinel\u27e7"  # stands in for one turn's content in the fallback
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
 
 
-class IngestError(ValueError):
+class IngestError(UserError, ValueError):
     """A data problem; the message names the file, the line or row, the reason and the fix."""
 
 

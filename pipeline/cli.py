@@ -51,51 +51,15 @@ def _command_line() -> str:
 
 
 def _run(fn, *args, **kwargs) -> None:
-    """Call a stage; turn the errors a user can fix into one message and exit code 2."""
-    from pipeline.store import StoreError
+    """Call a stage; turn the errors a user can fix (`UserError`, a missing file) into one message and exit 2."""
+    from pipeline.errors import NonFiniteLoss, UserError
 
-    user_errors: tuple = (ConfigError, StoreError, FileNotFoundError)
-    try:
-        from data.ingest import IngestError
-
-        user_errors += (IngestError,)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from stages.extract import ExtractError
-
-        user_errors += (ExtractError,)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from stages.regen_records import RegenError
-
-        user_errors += (RegenError,)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from pipeline.preflight import PreflightError
-        from stages.train import TrainError
-
-        user_errors += (TrainError, PreflightError)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from stages.run import RunError
-
-        user_errors += (RunError,)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from stages.train_module import NonFiniteLoss
-    except ImportError:  # pragma: no cover
-        NonFiniteLoss = ()  # noqa: N806
     try:
         code = fn(*args, **kwargs)
-    except user_errors as e:
+    except (UserError, FileNotFoundError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except NonFiniteLoss as e:
+    except NonFiniteLoss as e:  # training diverged: not a usage error, but no traceback helps either
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     sys.exit(code or 0)
@@ -300,17 +264,9 @@ def eval_(drafter, config_path, overrides, store, online, out, device, cache, ma
 
     Writes OUT/report.json and PNG plots. Exits 1 if speculative output ever differs from greedy.
     """
-    from stages.evaluate import EvalError, run_eval
+    from stages.evaluate import run_eval
 
-    def call():
-        try:
-            return run_eval(drafter, config_path, list(overrides), store, online, out, device, cache, max_samples,
-                            threads)
-        except EvalError as e:
-            click.echo(f"error: {e}", err=True)
-            return 2
-
-    _run(call)
+    _run(run_eval, drafter, config_path, list(overrides), store, online, out, device, cache, max_samples, threads)
 
 
 @main.command()

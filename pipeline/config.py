@@ -22,9 +22,10 @@ from typing import Any, Optional
 import yaml
 
 from pipeline.encoding import ENCODINGS
+from pipeline.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem; the message names the key, the file and the fix."""
 
 

@@ -28,8 +28,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+from pipeline.errors import UserError
 
-class PreflightError(RuntimeError):
+
+class PreflightError(UserError, RuntimeError):
     pass
 
 

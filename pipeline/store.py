@@ -64,6 +64,7 @@ from typing import Any, Optional
 import numpy as np
 
 from pipeline.encoding import ENCODINGS, part_names, parts_spec
+from pipeline.errors import UserError
 
 SCHEMA_VERSION = 1
 FROZEN_HEAD_FILE = "frozen_head.safetensors"
@@ -77,7 +78,7 @@ PROGRESS_SHA = "progress_sha256"  # shard attribute beside "progress"
 MAYBE_EMPTY = ("loss_mask", "split", "sample_start")
 
 
-class StoreError(RuntimeError):
+class StoreError(UserError, RuntimeError):
     """A store that cannot be used as asked; the message says what is wrong and what to do."""
 
 

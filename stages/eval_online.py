@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from pipeline.config import Config
+from pipeline.errors import UserError
 
 MISMATCH_BANNER = "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
 
 
-class EvalError(RuntimeError):
+class EvalError(UserError, RuntimeError):
     """A problem the user can fix (wrong path, mismatched store/drafter); the message says how."""
 
 

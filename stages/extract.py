@@ -35,10 +35,11 @@ from pipeline import store as st
 from pipeline.config import Config
 from pipeline.encoding import check as check_encoding
 from pipeline.encoding import parts_spec, raw_bytes_per_token
+from pipeline.errors import UserError
 from pipeline.target import load_tokenizer, resolve_layer_ids, target_fingerprint, tokenizer_fingerprint
 
 
-class ExtractError(RuntimeError):
+class ExtractError(UserError, RuntimeError):
     pass
 
 

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from data.prompts import Conversation, history_for, render_prompt_ids
+from pipeline.errors import UserError
 
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
-class RegenError(RuntimeError):
+class RegenError(UserError, RuntimeError):
     """A problem the user can fix (another run's directory, a server serving another model, ...): one message."""
 
 

@@ -29,9 +29,10 @@ from typing import Optional
 
 from pipeline import store as st
 from pipeline.config import Config
+from pipeline.errors import UserError
 
 
-class RunError(RuntimeError):
+class RunError(UserError, RuntimeError):
     pass
 
 

@@ -31,11 +31,12 @@ import torch
 
 from pipeline import store as st
 from pipeline.config import Config, dump_config
+from pipeline.errors import UserError
 from pipeline.provenance import check_frozen_head, target_differences
 from pipeline.target import resolve_layer_ids
 
 
-class TrainError(RuntimeError):
+class TrainError(UserError, RuntimeError):
     pass
 
 

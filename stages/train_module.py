@@ -31,12 +31,9 @@ import torch.distributed as dist
 from pipeline.config import Config
 from pipeline.dflash2_train import build_drafter, drafter_loss
 from pipeline.encoding import decode
+from pipeline.errors import NonFiniteLoss
 from pipeline.loss import normalised_loss
 from pipeline.masks import build_blocks, make_attend
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
 
 
 def tau_from_slot_acc(acc: torch.Tensor) -> float:

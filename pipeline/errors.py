@@ -1,0 +1,16 @@
+"""The one base class of errors a user can fix (bad config, wrong store, missing file, busy GPU, ...).
+
+Contract: every user-facing error class in dflash subclasses `UserError` (keeping its older built-in base, so
+`except ValueError` / `except RuntimeError` callers still work). Its message names the problem and the fix; the
+CLI (`pipeline/cli.py`) prints it as one `error: ...` line and exits 2, with no traceback. `NonFiniteLoss` (training
+diverged) is not a usage error: one line and exit 1. Anything else that escapes a stage is a bug and keeps
+its traceback.
+"""
+
+
+class UserError(Exception):
+    """An error the user can fix; the message says what is wrong and what to do."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """Training produced a NaN/Inf loss (diverged); the message names the step and what to try."""
