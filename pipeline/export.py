@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter import DFlashDrafter, DrafterArch
+from .target import DTYPES
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SRC = Path(__file__).resolve().parent
 
 _LAYER_KEYS = [
@@ -143,12 +143,12 @@ def export_drafter(
            arch.target_layer_ids)
     _check("mask_token_id", mask_token_id, arch.mask_token_id)
     _check("block_size", block_size, arch.block_size)
-    if dtype not in _DTYPES:
-        raise ValueError(f"export_drafter: dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"export_drafter: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    state = {k: v.detach().to("cpu", _DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
     expected = contract_keys(arch.num_hidden_layers)
     if sorted(state) != expected:
         extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))

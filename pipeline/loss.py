@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from pipeline.masks import IGNORE_INDEX  # the one definition, beside the labels it marks
 
 
 def _ce_chunk(logits: Tensor, y: Tensor, w: Tensor, acc_dtype: torch.dtype,
@@ -236,6 +236,9 @@ def slot_counts(correct: Tensor, labels: Tensor, block_size: int) -> tuple[Tenso
     return hit.float().sum(0), (lab != IGNORE_INDEX).float().sum(0)
 
 
-def acceptance_length(slot_acc: Tensor) -> Tensor:
-    """tau = 1 + sum_k prod_{i<=k} acc_i (expected accepted drafts per block plus the target's own token)."""
-    return 1.0 + torch.cumprod(slot_acc.float(), 0).sum()
+def acceptance_length(slot_acc) -> float:
+    """tau = 1 + sum_k prod_{i<=k} acc_i (expected accepted drafts per block plus the target's own token), from
+    the per-slot accuracies acc [bs-1] (slots 1..bs-1; a tensor, array or list; clamped to [0, 1]). The one tau
+    from slot accuracies: training's train/tau and val/tau and eval's tau_from_slot_acc."""
+    acc = torch.as_tensor(slot_acc, dtype=torch.float64).clamp(0, 1)
+    return float(1.0 + torch.cumprod(acc, 0).sum())

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from data.prompts import output_names
 from pipeline.config import CONFIGS_DIR, load_config
+from stages.eval_online import log
 
 # The tiny config as shipped, with the store and the run under OUT, and a shorter schedule for a CPU demo.
 # Measured on 2 CPU cores: batch 8 x 3 epochs (~1100 steps, ~2.5 min) reaches val tau ~5.6 of 8; the shipped
@@ -31,10 +31,6 @@ DEMO_OVERRIDES: list[str] = [
     "train.val_every=250",
     "train.num_workers=0",  # the store is small and local: reading in-process avoids a worker competing for cores
 ]
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: bool = False,

@@ -45,6 +45,7 @@ from pipeline import store as st
 from pipeline.config import Config, ConfigError, config_from_dict, load_config, parse_override
 from pipeline.drafter import draft_blocks
 from pipeline.encoding import decode, from_storage, part_names
+from pipeline.loss import acceptance_length
 from stages.eval_plots import read_metrics, write_plots
 from stages.eval_online import run_online
 
@@ -152,7 +153,7 @@ class AcceptanceStats:
         return {
             "blocks": n,
             "tau": float((self.hist * lengths).sum() / max(n, 1)),
-            "tau_from_slot_acc": float(1.0 + np.cumprod(np.clip(acc, 0, 1)).sum()),
+            "tau_from_slot_acc": acceptance_length(acc),
             "slot_accuracy": [round(float(a), 6) for a in acc],  # slots 1..bs-1
             "slot_labelled": [int(c) for c in self.counts[1:]],
             "acceptance_histogram": {str(k): int(self.hist[k]) for k in range(1, self.bs + 1)},

@@ -32,13 +32,8 @@ from pipeline.config import Config
 from pipeline.dflash2_train import build_drafter, drafter_loss
 from pipeline.encoding import decode
 from pipeline.errors import NonFiniteLoss
-from pipeline.loss import normalised_loss
+from pipeline.loss import acceptance_length, normalised_loss
 from pipeline.masks import build_blocks, make_attend
-
-
-def tau_from_slot_acc(acc: torch.Tensor) -> float:
-    """acc [bs-1] per-slot accuracy (slots 1..bs-1) -> expected acceptance length incl. the target's token."""
-    return float(1.0 + torch.cumprod(acc.clamp(0, 1), 0).sum())
 
 
 def compute_dtype(device_type: str, precision: str) -> torch.dtype:
@@ -235,7 +230,7 @@ class DrafterTask(L.LightningModule):
             self._log_samples(batch, batch_idx)
         B, S = batch["tokens"].shape
         self.log_dict({"train/loss": loss_sum.detach() / stats["weight_sum"].clamp(min=1e-6),
-                       "train/tau": tau_from_slot_acc(acc.detach().cpu()),
+                       "train/tau": acceptance_length(acc.detach().cpu()),
                        "train/acc_slot1": acc[0].detach()}, prog_bar=True, on_step=True, batch_size=B)
         self.log("train/tokens", float(batch["seq_lens"].sum()), on_step=True, reduce_fx="sum", batch_size=B)
         self.log_dict({f"train/{k}": v for k, v in stats["extra"].items()}, on_step=True, batch_size=B)  # dflash2
@@ -267,7 +262,7 @@ class DrafterTask(L.LightningModule):
         buf = buf.cpu()
         loss, w, hits, counts = buf[0], buf[1], buf[2 : 2 + self.bs], buf[2 + self.bs :]
         acc = (hits[1:] / counts[1:].clamp(min=1)).float()
-        metrics = {"val/loss": float(loss / max(float(w), 1e-6)), "val/tau": tau_from_slot_acc(acc)}
+        metrics = {"val/loss": float(loss / max(float(w), 1e-6)), "val/tau": acceptance_length(acc)}
         metrics.update({f"val/acc_slot{k}": float(acc[k - 1]) for k in range(1, self.bs)})
         self.log_dict(metrics, prog_bar=False, sync_dist=False, rank_zero_only=True)
         self.last_val = metrics

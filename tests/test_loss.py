@@ -74,4 +74,5 @@ def test_slot_counts_and_tau():
     correct = torch.tensor([[False, True, False, True, False, True, False, False]])
     hits, total = slot_counts(correct, labels, 4)
     assert hits.tolist() == [2.0, 0.0, 1.0] and total.tolist() == [2.0, 1.0, 1.0]
-    assert torch.isclose(acceptance_length(torch.tensor([1.0, 0.5, 0.5])), torch.tensor(1 + 1 + 0.5 + 0.25))
+    assert acceptance_length(torch.tensor([1.0, 0.5, 0.5])) == pytest.approx(1 + 1 + 0.5 + 0.25)
+    assert acceptance_length([1.2, -0.1, 0.5]) == pytest.approx(2.0)  # clamped to [0, 1]
