@@ -8,6 +8,7 @@
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
 #        needs fla-core + einops in .whl/: ../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
+#   FT_SEEDS=8 FT_DELAY=3 bash bench/device_run.sh followtau                 (issue 17's tau pairs on host CPUs, ~8 min)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
 [ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
@@ -45,6 +46,15 @@ for part in "$@"; do
         --set train.epochs=${ARCH_EPOCHS:-1} --jobs ${ARCH_JOBS:-16} --threads 1 --cpu > "$OUT/archtau.log" 2>&1
       tail -12 "$OUT/archtau.log"
       kill $copier; cp /tmp/archtau/results.jsonl "$OUT/archtau_results.jsonl" ;;
+    followtau)  # issue 17's tau check on the host's CPUs: FT_SEEDS seeds side by side, each its own bench/follow_tau.py
+                # (own stores; 2 threads each), extraction slowed by FT_DELAY s a batch so training really follows
+      for s in $(seq 0 $((${FT_SEEDS:-8} - 1))); do
+        OMP_NUM_THREADS=2 timeout ${FT_LIMIT:-520} python3 bench/follow_tau.py --out /tmp/ft/s$s --seeds $s \
+          --delay ${FT_DELAY:-3} > /tmp/ft-s$s.log 2>&1 &
+      done; wait
+      cat /tmp/ft/s*/results.jsonl > "$OUT/follow_tau.jsonl" 2>/dev/null; wc -l < "$OUT/follow_tau.jsonl"
+      python3 -c "import json,sys; sys.path.insert(0,'.'); from bench.follow_tau import summarize; \
+summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -4 ;;
     dflash2tests) python3 -m pytest -q -m gpu tests/test_gpu_dflash2.py -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
     concurrent)  # issue 17: 27B-hybrid-shape extraction on GPU 0 and 27B-shape drafter training on GPU 1, alone, then
                  # both at once from one growing store (train --follow); fractions of solo rates, wall-time model
