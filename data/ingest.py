@@ -403,3 +403,29 @@ def dataset_fingerprint(samples: list[Sample]) -> str:
     for s in samples:
         h.update(f"{s.sample_id}\t{s.split}\t{len(s.input_ids)}\n".encode("ascii"))
     return h.hexdigest()
+
+
+def save_shard_samples(samples: list[Sample], num_shards: int, shard: int, path: Path) -> None:
+    """Shard `shard`'s samples (samples[shard::num_shards], in order) as one .npz, written atomically, with the
+    whole dataset's fingerprint: `dflash extract` tokenises once and hands each worker its part."""
+    mine = samples[shard::num_shards]
+    lengths = np.array([len(s.input_ids) for s in mine], np.int64)
+    path = Path(path)
+    tmp = path.with_name(path.name + f".{os.getpid()}.partial.npz")
+    np.savez(tmp, lengths=lengths,
+             input_ids=np.concatenate([s.input_ids for s in mine]).astype(np.int32) if mine else np.zeros(0, np.int32),
+             loss_mask=np.concatenate([s.loss_mask for s in mine]).astype(np.uint8) if mine else np.zeros(0, np.uint8),
+             sample_id=np.array([s.sample_id for s in mine], dtype=str), split=np.array([s.split for s in mine], dtype=str),
+             meta=np.array(json.dumps({"dataset_fingerprint": dataset_fingerprint(samples), "num_shards": num_shards,
+                                       "shard": shard})))
+    os.replace(tmp, path)
+
+
+def load_shard_samples(path: Path) -> tuple[list[Sample], dict]:
+    """(the shard's samples, meta {dataset_fingerprint, num_shards, shard}) as `save_shard_samples` wrote them."""
+    with np.load(path) as z:
+        meta = json.loads(str(z["meta"]))
+        ends = np.cumsum(z["lengths"])
+        ids, mask = np.split(z["input_ids"], ends[:-1]), np.split(z["loss_mask"], ends[:-1])
+        samples = [Sample(str(i), x, m, str(sp)) for i, x, m, sp in zip(z["sample_id"], ids, mask, z["split"])]
+    return samples, meta

@@ -108,7 +108,8 @@ def extract(config_path, overrides, shards, gpus, shard_index, store):
     from stages.extract import run_extract
 
     cfg = _load(config_path, overrides)
-    _run(run_extract, cfg, config_path, list(overrides), shards, _gpu_list(gpus), shard_index, store, _command_line())
+    _run(run_extract, cfg, shards=shards, gpus=_gpu_list(gpus), shard_index=shard_index, store=store,
+         command=_command_line())
 
 
 @main.command()

@@ -70,7 +70,7 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
 
     log(f"demo [2/5] ingest + extract: target {cfg.target.path}, {cfg.extract.shards} shards -> {store}")
     t0 = time.perf_counter()
-    rc = run_extract(cfg, config_path, all_overrides, cfg.extract.shards, None, None, store, command)
+    rc = run_extract(cfg, shards=cfg.extract.shards, store=store, command=command)
     times["extract"] = time.perf_counter() - t0
     if rc:
         log(f"demo: extraction failed (exit {rc}); rerun `{command}` to resume")

@@ -180,8 +180,8 @@ def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index: Optional
     return chosen
 
 
-def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], shards: Optional[int],
-                gpus: Optional[list[int]], shard_index: Optional[int], store: Optional[str], command: str) -> int:
+def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[list[int]] = None,
+                shard_index: Optional[int] = None, store: Optional[str] = None, command: str = "dflash extract") -> int:
     from data.ingest import ingest
 
     store_path = store or cfg.store.path
@@ -208,7 +208,7 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
     locks = {lk.index: lk for lk in acquire_all(store_path, todo, command)}  # refused at once if another run holds one
     procs: dict[int, subprocess.Popen] = {}
     try:
-        return _run_workers(cfg, config_path, overrides, num_shards, gpus, shard_index, store_path, command,
+        return _run_workers(cfg, num_shards, gpus, shard_index, store_path, command,
                             provenance, samples, todo, locks, procs)
     finally:
         _stop_all(procs, exclude=-1)  # (all have exited unless this process failed) no worker outlives its lock
@@ -216,7 +216,7 @@ def run_extract(cfg: Config, config_path: Optional[str], overrides: list[str], s
             lk.release()
 
 
-def _run_workers(cfg: Config, config_path: Optional[str], overrides: list[str], num_shards: int,
+def _run_workers(cfg: Config, num_shards: int,
                  gpus: Optional[list[int]], shard_index: Optional[int], store_path: str, command: str,
                  provenance: dict, samples, todo: list[int], locks: dict, procs: dict) -> int:
     import torch
@@ -246,6 +246,14 @@ def _run_workers(cfg: Config, config_path: Optional[str], overrides: list[str], 
     from pipeline.preflight import usable_cores
 
     cpu_threads = max(1, usable_cores() // len(todo))
+    # the workers' one config and their samples, resolved and tokenised here once (not once more per worker)
+    from data.ingest import save_shard_samples
+    from pipeline.config import dump_config
+
+    resolved = logs / "extract-config.yaml"
+    resolved.write_text(dump_config(cfg))
+    for i in todo:
+        save_shard_samples(samples, num_shards, i, logs / f"extract-samples-{i:05d}.npz")
     monitor = Monitor(todo)
     status_file = logs / "extract-status.json"
     readers = []
@@ -257,11 +265,9 @@ def _run_workers(cfg: Config, config_path: Optional[str], overrides: list[str], 
             env["CUDA_VISIBLE_DEVICES"] = physical_gpu(gpu_of[i])  # through the scheduler's CUDA_VISIBLE_DEVICES
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
-        cmd = [sys.executable, "-m", "stages.extract_worker", "--config", str(config_path or ""), "--shard-index",
-               str(i), "--shards", str(num_shards), "--store", store_path, "--threads", str(0 if n_gpu else cpu_threads),
-               "--lock-token", locks[i].token]
-        for o in overrides:
-            cmd += ["--set", o]
+        cmd = [sys.executable, "-m", "stages.extract_worker", "--config", str(resolved), "--samples",
+               str(logs / f"extract-samples-{i:05d}.npz"), "--shard-index", str(i), "--shards", str(num_shards),
+               "--store", store_path, "--threads", str(0 if n_gpu else cpu_threads), "--lock-token", locks[i].token]
         log = open(logs / f"extract-shard-{i:05d}.log", "ab")
         log.write(f"\n=== {datetime.now().isoformat()} {shlex.join(cmd)}\n".encode())
         log.flush()

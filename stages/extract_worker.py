@@ -172,11 +172,14 @@ def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: tor
         raise errors[0]
 
 
-def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, lock_token: Optional[str] = None) -> int:
+def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, lock_token: Optional[str] = None,
+              samples_file: Optional[str] = None) -> int:
     """Extract one shard; returns the process exit code (0 done, 143 stopped by a signal).
 
-    lock_token: the shard lock `dflash extract` took for this worker; without it the worker takes the lock."""
-    from data.ingest import dataset_fingerprint, ingest
+    lock_token: the shard lock `dflash extract` took for this worker; without it the worker takes the lock.
+    samples_file: this shard's tokenised samples as the parent wrote them (`save_shard_samples`); without it
+    the worker ingests the data itself (a shard run alone by hand)."""
+    from data.ingest import dataset_fingerprint, ingest, load_shard_samples
 
     die_with_parent()
     stop = StopFlag()
@@ -186,10 +189,17 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, l
     if root_attrs["num_shards"] != num_shards:
         raise st.StoreError(f"the store was created for {root_attrs['num_shards']} shards, not {num_shards}; use --shards {root_attrs['num_shards']}")
     tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
-    samples, _ = ingest(cfg.data, tokenizer)
-    if dataset_fingerprint(samples) != root_attrs["dataset"]["fingerprint"]:
+    if samples_file:  # tokenised once by the parent: no second read of the data
+        mine, meta = load_shard_samples(samples_file)
+        fingerprint = meta["dataset_fingerprint"]
+        if (meta["shard"], meta["num_shards"]) != (shard_index, num_shards):
+            raise st.StoreError(f"{samples_file} holds shard {meta['shard']} of {meta['num_shards']}, not "
+                                f"{shard_index} of {num_shards}; rerun `dflash extract`")
+    else:
+        samples, _ = ingest(cfg.data, tokenizer)
+        fingerprint, mine = dataset_fingerprint(samples), samples[shard_index::num_shards]
+    if fingerprint != root_attrs["dataset"]["fingerprint"]:
         raise st.StoreError("the dataset differs from the one this store was created from; use the same data files and config")
-    mine = samples[shard_index::num_shards]
     lengths = [len(s.input_ids) for s in mine]
     ids = [s.sample_id for s in mine]
     plan, val_batches = extraction_plan(lengths, [s.split == "validation" for s in mine], cfg.extract.token_budget,
@@ -311,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import load_config
 
     ap = argparse.ArgumentParser(description="one dflash extract shard (normally started by `dflash extract`)")
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", default=None, help="a run config (with --set), or the parent's resolved one")
+    ap.add_argument("--samples", default=None, help="this shard's tokenised samples, written by `dflash extract`")
     ap.add_argument("--shard-index", type=int, required=True)
     ap.add_argument("--shards", type=int, required=True)
     ap.add_argument("--store", required=True)
@@ -323,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     cfg = load_config(a.config, a.overrides)
     try:
-        return run_shard(cfg, a.shard_index, a.shards, a.store, a.lock_token)
+        return run_shard(cfg, a.shard_index, a.shards, a.store, a.lock_token, a.samples)
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line, traceback to the log
         import traceback
 

@@ -54,6 +54,10 @@ def two_shard_store(tmp_path_factory):
 
 
 def test_two_shards_store_is_complete_and_valid(two_shard_store):
+    logs = Path(two_shard_store) / "logs"  # the workers ran on the parent's resolved config and samples
+    assert load_config(str(logs / "extract-config.yaml")).data.max_samples == 120
+    for i in range(2):
+        assert f"--samples {logs}/extract-samples-{i:05d}.npz" in (logs / f"extract-shard-{i:05d}.log").read_text()
     reader = st.StoreReader(two_shard_store)
     assert len(reader.samples) == 120
     assert len({s.sample_id for s in reader.samples}) == 120
@@ -330,3 +334,43 @@ def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch):
         for s, h in old.items():
             signal.signal(s, h)
     assert len(st.StoreReader(store).samples) == 40
+
+
+def test_workers_take_the_parents_tokenised_samples(tmp_path, monkeypatch):
+    """`dflash extract` tokenises once: each worker gets its shard's samples and the resolved config as files, so
+    a worker no longer reads the data (here: the data files are gone) and extracts the same store."""
+    import stages.extract_worker as w
+    from data.ingest import ingest, load_shard_samples, save_shard_samples
+    from pipeline.config import config_from_dict, dump_config
+    from pipeline.target import load_tokenizer
+    from stages.extract import build_provenance
+
+    import yaml
+
+    cfg = load_config(TINY, ["data.max_samples=24"])
+    tok = load_tokenizer(cfg.target.path)
+    samples, _ = ingest(cfg.data, tok)
+    for i in range(2):  # the files round-trip each shard's samples exactly
+        save_shard_samples(samples, 2, i, tmp_path / f"s{i}.npz")
+        back, meta = load_shard_samples(tmp_path / f"s{i}.npz")
+        assert meta == {"dataset_fingerprint": build_provenance(cfg, tok, samples, 2, "t")["dataset"]["fingerprint"],
+                        "num_shards": 2, "shard": i}
+        assert [(s.sample_id, s.split) for s in back] == [(s.sample_id, s.split) for s in samples[i::2]]
+        assert all(np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+                   for a, b in zip(back, samples[i::2]))
+    store = str(tmp_path / "h.zarr")
+    st.create_or_open_store(store, build_provenance(cfg, tok, samples, 2, "test"))
+    resolved = config_from_dict(yaml.safe_load(dump_config(cfg)), "resolved")
+    resolved.data.train_files = [str(tmp_path / "gone.jsonl")]  # a worker that read the data would fail here
+    monkeypatch.setattr(w, "die_with_parent", lambda: None)
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(st.StoreError, match="holds shard 0 of 2, not 1 of 2"):
+            w.run_shard(resolved, 1, 2, store, samples_file=str(tmp_path / "s0.npz"))
+        for i in range(2):
+            assert w.run_shard(resolved, i, 2, store, samples_file=str(tmp_path / f"s{i}.npz")) == 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    reader = st.StoreReader(store)
+    assert sorted(r.sample_id for r in reader.samples) == sorted(st.sample_id_to_int(s.sample_id) for s in samples)

@@ -397,7 +397,7 @@ def test_extract_refuses_zero_shards_without_the_cli():
     from stages.extract import ExtractError, run_extract, shard_gpus
 
     with pytest.raises(ExtractError, match="--shards 0"):
-        run_extract(load_config(TINY), None, [], 0, None, None, "/nonexistent", "test")
+        run_extract(load_config(TINY), shards=0, store="/nonexistent", command="test")
     with pytest.raises(ExtractError, match="--gpus 0: this process sees no CUDA GPU"):
         shard_gpus([0], 2, None, 0)
 
