@@ -22,8 +22,6 @@ import math
 import os
 import signal
 import sys
-import threading
-import time
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -32,6 +30,7 @@ import torch
 from data.follow import GrowingStore, StreamSlot
 from data.sampler import FixedSamples, RankBatchSampler  # noqa: F401 - re-exported: the loader's sampler
 from pipeline.encoding import from_storage, part_names
+from pipeline.lifecycle import watch_parent
 from pipeline.masks import sample_anchors
 from pipeline.store import SampleRef, StoreReader
 
@@ -111,22 +110,13 @@ def worker_init(_worker_id: int) -> None:
     # would see os.getppid() == 1 here already and never notice (torch's own check has that blind spot)
     parent = multiprocessing.parent_process()
     pid = parent.pid if parent is not None and parent.pid else os.getppid()
-    threading.Thread(target=_exit_with_parent, args=(pid,), name="dflash-parent-watch", daemon=True).start()
+    watch_parent(pid)
     try:
         from numcodecs import blosc
 
         blosc.set_nthreads(1)
     except ImportError:  # pragma: no cover
         pass
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A worker whose training process died (SIGKILL, the OOM killer) must not run on. torch's own check
-    compares with getppid() at start-up (1 already for a worker that was still importing: such orphans were
-    seen) and runs only between batches. Loader workers only read the store, so a hard exit loses nothing."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(0)
 
 
 class ResumableLoader(torch.utils.data.DataLoader):

@@ -6,8 +6,6 @@ Contract:
   with the processes holding it. Without nvidia-smi (CPU machines) it checks nothing.
 - `disk_warning(path, bytes_needed)` returns a warning line when the filesystem of a local store has less
   free space than the estimate, else None.
-- `die_with_parent()` asks Linux to SIGTERM the calling process when its parent dies, so workers and DDP
-  ranks never run on as orphans holding GPU memory.
 - `usable_cores()` is the number of cores this process may run on (its CPU affinity, which a scheduler's
   cgroup sets), not the machine's count.
 - `compile_cache_dir(root, key_parts)` is a directory keyed by what produced the artifacts (torch version,
@@ -17,12 +15,10 @@ Contract:
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -148,12 +144,3 @@ def use_compile_cache(d: Path) -> None:
     """Point this process's (and its children's) inductor and triton caches into `d`."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(d) / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(Path(d) / "triton")
-
-
-def die_with_parent() -> None:
-    """PR_SET_PDEATHSIG(SIGTERM): the kernel signals us when the process that started us exits (Linux only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass

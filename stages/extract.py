@@ -239,7 +239,7 @@ def _run_workers(cfg: Config, num_shards: int,
         print(f"extract: {kernels}", file=sys.stderr)
     resume_hint = f"resume with the same command: {command}"
     logs = _log_dir(store_path)
-    from stages.progress import Tee
+    from pipeline.lifecycle import Tee
 
     if not isinstance(sys.stderr, Tee):  # the parent's own lines go to STORE/logs/extract.log too
         sys.stderr = Tee(sys.stderr, logs / "extract.log")

@@ -22,7 +22,6 @@ import json
 import os
 import queue
 import random
-import signal
 import sys
 import threading
 import time
@@ -33,9 +32,9 @@ import numpy as np
 import torch
 
 from pipeline import store as st
-from pipeline.preflight import die_with_parent
 from pipeline.config import Config
 from pipeline.encoding import encode, to_storage
+from pipeline.lifecycle import StopFlag, die_with_parent
 from pipeline.target import (DTYPES, FeatureCapture, capture_features, frozen_head_from_checkpoint, load_target,
                              load_tokenizer)
 
@@ -88,16 +87,6 @@ def plan_fingerprint(batches: list[Batch], sample_ids: list[str]) -> str:
     for b in batches:
         h.update((",".join(sample_ids[i] for i in b.members) + ";").encode())
     return h.hexdigest()[:16]
-
-
-class StopFlag:
-    def __init__(self):
-        self.stop = False
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum, _frame):
-        self.stop = True
 
 
 def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: torch.device, batches, on_batch,

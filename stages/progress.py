@@ -23,34 +23,6 @@ import torch
 import lightning as L
 
 
-class Tee:
-    """Write a stream to a log file too, so every process of a detached run leaves its log in the run dir."""
-
-    def __init__(self, stream, path: Path):
-        self.stream, self.file = stream, open(path, "a", buffering=1)
-
-    def write(self, text: str) -> int:
-        self.file.write(text)
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.file.flush()
-        self.stream.flush()
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-
-def log_process_output(run_dir: Path, rank: int) -> None:
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    path = run_dir / "logs" / f"rank{rank}.log"
-    sys.stderr = Tee(sys.stderr, path)
-    sys.stdout = Tee(sys.stdout, path)
-
-
 def process_start_time() -> float:
     """Wall-clock time this process started (Linux /proc), else now: the start of the user's wait."""
     try:

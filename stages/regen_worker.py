@@ -31,9 +31,9 @@ import torch
 
 from data.prompts import Conversation
 from pipeline.config import Config
-from pipeline.preflight import die_with_parent
+from pipeline.lifecycle import StopFlag, die_with_parent
 from pipeline.target import DTYPES, load_target, load_tokenizer
-from stages.extract_worker import StopFlag, emit, plan_batches
+from stages.extract_worker import emit, plan_batches
 from stages.regen_records import CommitLog, Prompt, Reply, committed_rows, regenerate_batch
 
 

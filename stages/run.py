@@ -53,7 +53,7 @@ def parse_gpus(text: Optional[str]) -> list[int]:
 
 
 def _child(cmd: list[str], log: Path) -> subprocess.Popen:
-    from pipeline.preflight import die_with_parent
+    from pipeline.lifecycle import die_with_parent
 
     f = open(log, "ab")
     f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())

@@ -225,7 +225,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
-                                 ValidateAtEnd, log_process_output, resumable_csv_logger, save_final)
+                                 ValidateAtEnd, resumable_csv_logger, save_final)
     from stages.train_module import DrafterTask
 
     store_path = store or cfg.store.path
@@ -263,7 +263,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     launcher = "LOCAL_RANK" not in os.environ  # Lightning sets it in the per-rank processes it starts
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
     if not launcher:
-        from pipeline.preflight import die_with_parent
+        from pipeline.lifecycle import die_with_parent
 
         die_with_parent()  # a rank whose launcher died must not hang on in a collective
     if use_gpu and launcher:  # before any rank touches a GPU
@@ -287,6 +287,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         sampler.load_state_dict(resume_state["loader"])
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     run_dir.mkdir(parents=True, exist_ok=True)
+    from pipeline.lifecycle import log_process_output
+
     log_process_output(run_dir, rank)
     # build and initialise the drafter on this rank's GPU (initialising ~1.7B parameters on the CPU took ~20 s);
     # seeded, so a run's initial weights follow from train.seed (DDP then broadcasts rank 0's to all ranks)
