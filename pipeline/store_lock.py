@@ -81,7 +81,8 @@ def _start_time(pid: int) -> Optional[int]:
     return None if fields[0] == "Z" else int(fields[19])  # a zombie has exited
 
 
-def _alive(pid: int, start: Optional[int]) -> bool:
+def pid_alive(pid: int, start: Optional[int] = None) -> bool:
+    """Whether process `pid` runs on this machine (and, given its start time, is the same process)."""
     if Path("/proc/self/stat").exists():
         now = _start_time(pid)
         return now is not None and (start is None or now == start)
@@ -96,7 +97,7 @@ def _alive(pid: int, start: Optional[int]) -> bool:
 
 def is_live(rec: dict, now: Optional[float] = None) -> bool:
     if rec.get("machine") == machine_id():
-        return any(_alive(int(pid), start) for pid, start in rec.get("pids", []))
+        return any(pid_alive(int(pid), start) for pid, start in rec.get("pids", []))
     return (now or time.time()) - float(rec.get("heartbeat", 0)) <= float(rec.get("ttl", DEFAULT_TTL))
 
 

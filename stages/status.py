@@ -10,22 +10,12 @@ checkpoints. A recorded "running" state whose process no longer exists on this h
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from pipeline import store as st
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+from pipeline.store_lock import pid_alive
 
 
 def _age(t: float) -> str:
@@ -47,7 +37,7 @@ def show_status(path: str, out=sys.stdout) -> int:
         status = p / "logs" / "extract-status.json"
         rec = json.loads(status.read_text()) if status.exists() else {}
         state = rec.get("state", "unknown")
-        if state == "running" and not _alive(int(rec.get("pid", -1))):
+        if state == "running" and not pid_alive(int(rec.get("pid", -1))):
             state = "stopped (process gone)"
         if s["complete"]:
             state = "finished"
