@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter2 import DFLASH2_KEYS, DFlash2Arch, DFlash2Drafter
-from .export import _DTYPES, _SRC, MODELING_FILE, MODELING_HELPERS, _check, contract_keys, hf_config_dict
+from .export import _SRC, MODELING_FILE, MODELING_HELPERS, _check, contract_keys, hf_config_dict
+from .target import DTYPES
 
 ARCHITECTURE = "DFlash2DraftModel"
 _CONV_KEYS = ("base_kernel", "kernel_projection.weight")
@@ -101,9 +102,9 @@ def export_dflash2(drafter: DFlash2Drafter, out_dir: str | Path, *, vocab_size: 
     for name, value in given.items():
         _check(name, list(value) if isinstance(value, (list, tuple)) else value, getattr(arch, name))
     _check("vocab_size", int(vocab_size), arch.vocab_size)
-    if dtype not in _DTYPES:
-        raise ValueError(f"export_drafter: dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    state = {k: v.detach().to("cpu", _DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
+    if dtype not in DTYPES:
+        raise ValueError(f"export_drafter: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    state = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
     _require_contract(state, arch, "export_drafter: the drafter's state_dict")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
