@@ -134,16 +134,24 @@ def main() -> None:
 @click.option("--shard-index", type=click.IntRange(min=0), default=None,
               help="Run only this shard (for a scheduler or another node).")
 @click.option("--store", default=None, help="Store path or fsspec URL (default: store.path).")
-def extract(config_path, overrides, shards, gpus, shard_index, store):
+@click.option("--plan", is_flag=True, help="Only print what the extraction would take (samples and tokens, store "
+              "size, free disk, time on the GPUs) and exit without writing anything.")
+def extract(config_path, overrides, shards, gpus, shard_index, store, plan):
     """Stage one: run the target over the data and write hidden states to the store.
 
     One worker process per shard, shard i on GPU i (only that GPU visible), so `--shards 5` uses GPUs 0-4;
     `--gpus` picks others. With no GPU the workers run on the CPU. Resumable: rerun the same command after
     a crash or Ctrl-C and every shard continues from its last commit. Running on a finished store does nothing.
     """
+    cfg = _load(config_path, overrides)
+    if plan:  # before any GPU work; --gpus only counts (the plan may be made on another machine)
+        from stages.plan import run_plan
+
+        if shards is None and gpus:
+            shards = len([g for g in gpus.split(",") if g.strip()])
+        _run(run_plan, cfg, store, shards, shard_index)
     from stages.extract import run_extract
 
-    cfg = _load(config_path, overrides)
     _run(run_extract, cfg, config_path, list(overrides), shards, _gpu_list(gpus), shard_index, store, _command_line())
 
 
