@@ -98,16 +98,24 @@ def main() -> None:
 @click.option("--shard-index", type=click.IntRange(min=0), default=None,
               help="Run only this shard (for a scheduler or another node).")
 @click.option("--store", default=None, help="Store path or fsspec URL (default: store.path).")
-def extract(config_path, overrides, shards, gpus, shard_index, store):
+@click.option("--plan", is_flag=True, help="Only print what the extraction would take (samples and tokens, store "
+              "size, free disk, time on the GPUs) and exit without writing anything.")
+def extract(config_path, overrides, shards, gpus, shard_index, store, plan):
     """Stage one: run the target over the data and write hidden states to the store.
 
     One worker process per shard, shard i on GPU i (only that GPU visible), so `--shards 5` uses GPUs 0-4;
     `--gpus` picks others. With no GPU the workers run on the CPU. Resumable: rerun the same command after
     a crash or Ctrl-C and every shard continues from its last commit. Running on a finished store does nothing.
     """
+    cfg = _load(config_path, overrides)
+    if plan:  # before any GPU work; --gpus only counts (the plan may be made on another machine)
+        from stages.plan import run_plan
+
+        if shards is None and gpus:
+            shards = len([g for g in gpus.split(",") if g.strip()])
+        _run(run_plan, cfg, store, shards, shard_index)
     from stages.extract import run_extract
 
-    cfg = _load(config_path, overrides)
     _run(run_extract, cfg, shards=shards, gpus=_gpu_list(gpus), shard_index=shard_index, store=store,
          command=_command_line())
 
@@ -154,7 +162,10 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
               "(kept in $DFLASH_COMPILE_CACHE or ~/.cache/dflash/compile, shared by runs).")
 @click.option("--follow", is_flag=True, help="Train while `dflash extract` still writes the store (waits for it to "
               "appear); an unfinished store is followed anyway.")
-def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache, follow):
+@click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
+              metavar="EXPORT_DIR", help="Start a new run from an exported drafter's weights (RUN/export or a published "
+              "DFlash checkpoint) with a fresh optimizer and schedule; unlike --resume, which continues this run.")
+def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache, follow, init_from):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
@@ -167,7 +178,7 @@ def train(config_path, overrides, gpus, devices, store, resume, no_export, rebui
     cfg = _load(config_path, overrides)
     gpu_list = _gpu_list(gpus)
     _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
-         rebuild_compile_cache=rebuild_compile_cache, follow=follow)
+         rebuild_compile_cache=rebuild_compile_cache, follow=follow, init_from=init_from)
 
 
 @main.command("run")
@@ -191,15 +202,18 @@ def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
 
 
 @main.command()
-@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
+@click.argument("checkpoint", type=click.Path(exists=True))
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--sglang", is_flag=True, help="Leave out auto_map (SGLang rejects it).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-def export(checkpoint, out, sglang, dtype):
-    """Export a training checkpoint to the directory SGLang, vLLM and transformers load."""
-    from stages.export_stage import export_checkpoint
+@click.option("--which", type=click.Choice(["best", "last"]), default=None,
+              help="CHECKPOINT is a run directory: export its best checkpoint by val tau (default) or the last.")
+def export(checkpoint, out, sglang, dtype, which):
+    """Export a training checkpoint (a .ckpt file, or a run directory: its best checkpoint by val tau) to the
+    directory SGLang, vLLM and transformers load."""
+    from stages.export_stage import run_export
 
-    _run(lambda: click.echo(f"exported to {export_checkpoint(checkpoint, out, for_sglang=sglang, dtype=dtype)}") or 0)
+    _run(run_export, checkpoint, out, which, sglang, dtype)
 
 
 @main.command()

@@ -123,6 +123,7 @@ class TrainConfig:
     val_every: int = 500
     log_every: int = 10
     seed: int = 0
+    export_checkpoint: str = "best"  # which checkpoint the end of training exports: best (by val tau) | last
     follow_buffer: int = 1024  # a following run's first epoch draws each batch at random from the next N committed samples
 
 
@@ -179,6 +180,7 @@ _CHOICES = {
     ("target", "dtype"): ("bfloat16", "float16", "float32"),
     ("target", "cpu_dtype"): ("bfloat16", "float32"),
     ("drafter", "arch"): ("dflash", "dflash2"),
+    ("train", "export_checkpoint"): ("best", "last"),
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -4,7 +4,8 @@ Contract (stages/train_module.py calls these two and nothing else of DFlash 2):
 - `build_drafter(cfg, layer_ids, vocab_size)` -> the drafter of cfg.drafter.arch, initialised from the current
   torch seed (a DFlash 2 backbone draws exactly what a DFlash drafter would: same seed, same backbone), then,
   if drafter.init_from names a trained DFlash export (ours or a published one), its backbone weights are
-  loaded (strict on every backbone key and shape; the convolutions stay identity and the selector random).
+  loaded (strict on every backbone key and shape; the convolutions stay identity and the selector random);
+  a DFlash 2 export gives a DFlash 2 drafter every weight, a DFlash export a DFlash drafter (`init_weights`).
   With train.selector_loss_alpha = 0 the selector is zeroed and frozen (it then passes the unary ranking
   through; DDP needs no gradient for it).
 - `drafter_loss(drafter, hidden, head, blocks, tokens, train_cfg)` -> (loss_sum, correct [B*Q], extra):
@@ -33,19 +34,51 @@ from pipeline.loss import chunked_weighted_ce, chunked_weighted_ce_topk, selecto
 def build_drafter(cfg: Config, layer_ids: list[int], vocab_size: int) -> DFlashDrafter:
     d = cfg.drafter
     if d.arch == "dflash":
-        return DFlashDrafter(DrafterArch.from_config(d, layer_ids))
+        drafter = DFlashDrafter(DrafterArch.from_config(d, layer_ids))
+        if d.init_from:
+            init_weights(drafter, d.init_from, cfg.source)
+        return drafter
     if d.selector_top_k > vocab_size:
         raise ConfigError(f"{cfg.source}: drafter.selector_top_k = {d.selector_top_k} exceeds the target's "
                           f"vocabulary ({vocab_size})")
     drafter = DFlash2Drafter(DFlash2Arch.from_config(d, layer_ids, vocab_size))
     if d.init_from:
-        warm_start(drafter, d.init_from, cfg.source)
+        init_weights(drafter, d.init_from, cfg.source)
     if cfg.train.selector_loss_alpha == 0:
         with torch.no_grad():
             for p in drafter.candidate_selector.parameters():
                 p.zero_()
         drafter.candidate_selector.requires_grad_(False)
     return drafter
+
+
+def init_weights(drafter: DFlashDrafter, path: str, source: str = "<config>") -> None:
+    """drafter.init_from / `dflash train --init-from`: start from an export's weights (stages/init_from.py checks
+    the fit first, naming each difference). A DFlash export into a DFlash 2 drafter gives its backbone
+    (`warm_start`); an export of the drafter's own arch gives every weight (strict)."""
+    import json
+    from pathlib import Path
+
+    from pipeline.export import load_exported
+
+    try:
+        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{source}: drafter.init_from = {path} is not a loadable DFlash export ({e})") from None
+    is2 = "DFlash2DraftModel" in archs
+    if isinstance(drafter, DFlash2Drafter) and not is2:
+        return warm_start(drafter, path, source)
+    if is2 and not isinstance(drafter, DFlash2Drafter):
+        raise ConfigError(f"{source}: drafter.init_from = {path} is a DFlash 2 export; set drafter.arch: dflash2")
+    donor, _, _ = load_exported(path)
+    own, theirs = drafter.state_dict(), donor.state_dict()
+    bad = sorted(set(own) ^ set(theirs)) + [k for k in own if k in theirs and own[k].shape != theirs[k].shape]
+    if bad:
+        raise ConfigError(f"{source}: drafter.init_from = {path} does not fit this drafter's shape "
+                          f"({', '.join(bad[:3])}); the drafter section must match the export's config.json")
+    with torch.no_grad():
+        for k, v in theirs.items():
+            own[k].copy_(v)
 
 
 def warm_start(drafter: DFlash2Drafter, path: str, source: str = "<config>") -> None:

@@ -65,6 +65,22 @@ class DrafterSource:
     store: Optional[str]  # the store it was trained from (recorded at training time)
     config: Optional[dict]  # the training config (checkpoints carry it)
     encoding: Optional[str]  # the store's feature encoding (checkpoints carry it)
+    origin: Optional[dict] = None  # which checkpoint: {checkpoint, step, selected: best|last|step, val_tau}
+
+
+def describe_origin(src: DrafterSource) -> str:
+    """One line naming what is evaluated: the checkpoint (path, step, best or last, its val tau) or the export
+    and the checkpoint it was made from."""
+    o = src.origin or {}
+    tau = o.get("val_tau")
+    what = {"best": "the run's best by val tau", "last": "the run's last", "step": "a periodic step checkpoint"}.get(
+        o.get("selected"), "checkpoint kind unknown")
+    detail = f"step {o.get('step', '?')}, {what}" + (f", val tau {tau:.3f}" if tau is not None else "")
+    if src.kind == "checkpoint":
+        return f"checkpoint {src.path} ({detail})"
+    if o.get("checkpoint"):
+        return f"export {src.path} (from checkpoint {o['checkpoint']}: {detail})"
+    return f"export {src.path} (no record of the checkpoint it came from: exported elsewhere or by an older dflash)"
 
 
 def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
@@ -78,15 +94,19 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
         drafter, _arch, meta = load_exported(p, device=device, dtype=dtype)
         extra = meta.get("dflash_meta") or {}
         run_dir = p.parent if _looks_like_run(p.parent) else None
-        return drafter, DrafterSource(str(p), "export", run_dir, extra.get("store"), None, None)
+        origin = {k: extra[k] for k in ("checkpoint", "step", "selected", "val_tau") if k in extra}
+        return drafter, DrafterSource(str(p), "export", run_dir, extra.get("store"), None, None, origin)
     if p.is_file():
-        from stages.export_stage import load_checkpoint_drafter
+        from stages.export_stage import checkpoint_kind, load_checkpoint_drafter
 
         drafter, meta = load_checkpoint_drafter(str(p), device)
         drafter = drafter.to(dtype)
         run_dir = p.parent.parent if p.parent.name == "checkpoints" and _looks_like_run(p.parent.parent) else None
+        val = meta.get("val") or {}
+        origin = {"checkpoint": str(p.resolve()), "step": meta["step"], "selected": checkpoint_kind(p),
+                  "val_tau": val.get("val/tau") if val.get("step") == meta["step"] else None}
         return drafter, DrafterSource(str(p), "checkpoint", run_dir, meta.get("store"), meta.get("config"),
-                                      meta.get("encoding"))
+                                      meta.get("encoding"), origin)
     raise FileNotFoundError(f"drafter {path} does not exist: pass an exported directory (RUN/export) or a "
                             "training checkpoint (RUN/checkpoints/last.ckpt)")
 
@@ -314,10 +334,12 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
     report: dict = {
         "drafter": {"path": str(drafter_path), "kind": src.kind, "block_size": arch.block_size,
                     "target_layer_ids": arch.target_layer_ids, "mask_token_id": arch.mask_token_id,
-                    "parameters": sum(p.numel() for p in drafter.parameters())},
+                    "parameters": sum(p.numel() for p in drafter.parameters()),
+                    "origin": src.origin, "described": describe_origin(src)},
         "config": cfg_source,
         "run_dir": str(src.run_dir) if src.run_dir else None,
     }
+    log(f"eval: evaluating {describe_origin(src)}")
     store_path = _choose_store(store, src, cfg)
     store_attrs = st.read_root_attrs(store_path)
     encoding = (store_attrs or {}).get("encoding") or src.encoding or cfg.store.encoding

@@ -15,11 +15,15 @@ Contract:
   `--resume` continues from last.ckpt with the same step, optimiser, scheduler and data position (the same
   sample of the same epoch; on another number of ranks the rest of the epoch is dealt over the new ranks),
   and RUN/logs/metrics.csv keeps the rows logged up to the checkpoint.
-- At the end, rank 0 exports the drafter to RUN/export (the serving directory format).
+- After each validation that beats the best val/tau so far, RUN/checkpoints/best-step{N}.ckpt (weights only)
+  replaces the previous best (stages/best_checkpoint.py; a resumed run keeps knowing the best so far).
+- At the end, rank 0 exports the drafter to RUN/export (the serving directory format): the best checkpoint
+  by val tau unless train.export_checkpoint is `last`, and says which one it exported and why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -185,7 +189,8 @@ def _compile_cache(cfg: Config, rebuild: bool, report: bool) -> Path:
     from pipeline import __version__
     from pipeline.preflight import compile_cache_dir, compile_cache_root, use_compile_cache
 
-    key = {"torch": torch.__version__, "dflash": __version__, "drafter": dataclasses.asdict(cfg.drafter),
+    drafter = {**dataclasses.asdict(cfg.drafter), "init_from": None}  # the weights' origin changes no kernel
+    key = {"torch": torch.__version__, "dflash": __version__, "drafter": drafter,
            "precision": cfg.train.precision, "compile": cfg.train.compile, "num_anchors": cfg.train.num_anchors}
     d = compile_cache_dir(compile_cache_root(), key, rebuild=rebuild)
     warm = (d / "inductor").is_dir()
@@ -220,10 +225,30 @@ def _streaming_checkpoint_io():
     return StreamingCheckpointIO()
 
 
+def resume_command(command: str) -> str:
+    """The command that resumes a stopped run: the same one with --resume, without --init-from (the run's weights
+    are in its checkpoint now, and the two flags are refused together)."""
+    import shlex
+
+    words, out = shlex.split(command), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--init-from":
+            skip = True
+        elif not w.startswith("--init-from="):
+            out.append(w)
+    return shlex.join(out if "--resume" in out else out + ["--resume"])
+
+
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
-              command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False) -> int:
+              command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False,
+              init_from: Optional[str] = None) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stages.best_checkpoint import BestCheckpoint
     from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
                                  ValidateAtEnd, resumable_csv_logger, save_final)
     from stages.train_module import DrafterTask
@@ -233,6 +258,11 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     run_dir = Path(cfg.train.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     last = ckpt_dir / "last.ckpt"
+    if resume and init_from:
+        raise TrainError(f"--init-from starts a new run from an export's weights; --resume continues this run from "
+                         f"{last} (its weights, optimizer and data position). Pass one of them, not both")
+    if init_from:
+        cfg.drafter.init_from = str(Path(init_from).resolve())  # recorded in RUN/config.yaml and the checkpoints
     if resume and not last.exists():
         raise TrainError(f"--resume: no checkpoint at {last}; start without --resume")
     if not resume and last.exists():
@@ -273,6 +303,16 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     resume_state = _checkpoint_state(last) if resume else None
     attrs, reader, stream_epochs = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
     layer_ids, head = list(attrs["layer_ids"]), st.frozen_head_path(store_path)  # matched by _open_store
+    task_cfg = cfg
+    if cfg.drafter.init_from and resume:  # a resumed run's weights come from its checkpoint
+        task_cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, init_from=None))
+    elif cfg.drafter.init_from:  # before anything is written: a misfit export stops here
+        from stages.init_from import check_init_from
+
+        check_init_from(cfg, attrs, layer_ids, cfg.drafter.init_from)
+        if launcher:
+            print(f"train: starting from the weights of {cfg.drafter.init_from} (fresh optimizer and schedule)",
+                  file=sys.stderr, flush=True)
     if use_gpu:
         _compile_cache(cfg, rebuild=rebuild_compile_cache and launcher, report=launcher)
     train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1, stream_epochs)
@@ -294,7 +334,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     # seeded, so a run's initial weights follow from train.seed (DDP then broadcasts rank 0's to all ranks)
     torch.manual_seed(cfg.train.seed)
     with torch.device(f"cuda:{devs[rank]}" if use_gpu else "cpu"):
-        task = DrafterTask(cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
+        task = DrafterTask(task_cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
                            target_meta=attrs["target"], store_path=store_path)
 
     task.train_sampler = sampler  # the step records consumed batches; Lightning checkpoints the loader's state
@@ -319,7 +359,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
-        callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC()],
+        callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC(), BestCheckpoint(ckpt_dir)],
         # a resume on another number of ranks makes its first epoch another length than the next ones: only then
         # is the loader asked for its length every epoch (each ask is a collective). Validation counts batches
         # across epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
@@ -337,7 +377,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
     except (SystemExit, KeyboardInterrupt):  # Lightning turns SIGTERM and Ctrl-C into SystemExit
         if getattr(trainer, "received_sigterm", False) or trainer.interrupted:
-            hint = command if "--resume" in command else command + " --resume"
+            hint = resume_command(command)
             print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
                   f"resume with: {hint}", file=sys.stderr)
             return 130
@@ -348,9 +388,15 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         summary = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
                    "val": getattr(task, "last_val", {}), "checkpoint": str(checkpoint_path)}
         if export:
+            from stages.best_checkpoint import choose_checkpoint
             from stages.export_stage import export_checkpoint
 
-            summary["export"] = str(export_checkpoint(str(checkpoint_path), str(run_dir / "export")))
+            val = summary["val"]  # the final validation's, when it ran at the last step (ValidateAtEnd)
+            last_tau = val.get("val/tau") if val.get("step") == trainer.global_step else None
+            choice = choose_checkpoint(ckpt_dir, cfg.train.export_checkpoint, last_tau)
+            summary["export"] = str(export_checkpoint(str(choice.path), str(run_dir / "export"), choice=choice))
+            summary["exported"] = choice.as_dict()
+            print(f"train: exported {choice.reason} to {summary['export']}", file=sys.stderr, flush=True)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         tau = summary['val'].get('val/tau')
         print(f"train: {trainer.global_step} steps; val tau {'n/a' if tau is None else f'{tau:.3f}'}; "

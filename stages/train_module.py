@@ -265,7 +265,7 @@ class DrafterTask(L.LightningModule):
         metrics = {"val/loss": float(loss / max(float(w), 1e-6)), "val/tau": acceptance_length(acc)}
         metrics.update({f"val/acc_slot{k}": float(acc[k - 1]) for k in range(1, self.bs)})
         self.log_dict(metrics, prog_bar=False, sync_dist=False, rank_zero_only=True)
-        self.last_val = metrics
+        self.last_val = {**metrics, "step": self.global_step}  # every rank (all-reduced): stages/best_checkpoint.py
 
     # -- optimiser ------------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -286,4 +286,5 @@ class DrafterTask(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["dflash"] = {"config": self.cfg.to_dict(), "layer_ids": self.layer_ids, "vocab_size": self.vocab_size,
                                 "encoding": self.encoding, "target": self.target_meta, "store": self.store_path,
-                                "arch": self.arch.to_dict()}
+                                "arch": self.arch.to_dict(), "step": self.global_step,
+                                "val": dict(getattr(self, "last_val", {}))}  # the latest validation and its step

@@ -101,7 +101,11 @@ def test_one_progress_line_per_step_and_one_checkpoint_file(tiny_store, tmp_path
     assert steps == ["1", "2", "3"], r.stderr[-3000:]
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_symlink() and last.resolve() == (run / "checkpoints" / "step3.ckpt").resolve()
-    assert [f.name for f in (run / "checkpoints").iterdir() if not f.is_symlink()] == ["step3.ckpt"]
+    full = [f.name for f in (run / "checkpoints").iterdir() if not f.is_symlink() and not f.name.startswith("best-")]
+    assert full == ["step3.ckpt"]
+    # the best checkpoint by val tau (validated at the last step) is weights only: no second full copy
+    best = torch.load(run / "checkpoints" / "best-step3.ckpt", map_location="cpu", weights_only=False)
+    assert "optimizer_states" not in best and best["dflash"]["step"] == 3
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
     # the end of the run says when training ended and how long the final checkpoint took after it
     end = re.search(r"train: training done at step 3; writing the final checkpoint\n.*?train: final checkpoint (\S+) in place "

@@ -1,0 +1,113 @@
+"""Warm start: `dflash train --init-from EXPORT_DIR` (or `drafter.init_from`) begins from an exported drafter.
+
+Contract:
+- EXPORT_DIR is a serving directory (config.json + model.safetensors): ours (pipeline/export.py,
+  pipeline/export2.py) or a published DFlash checkpoint in the same public format (z-lab's). Only the
+  weights are taken: the optimizer, the LR schedule and the data position start fresh (unlike `--resume`,
+  which continues a run of this run directory from its last.ckpt; the two are refused together).
+- `check_init_from(cfg, attrs, layer_ids, path)` runs before anything is written (no run directory yet) and
+  raises one ConfigError naming every difference between the export and this config/store, each with its fix:
+  the target side (hidden size, target layer ids, vocabulary), the drafter side (layers, block size, heads,
+  FFN, head_dim, attention layer types and window, mask token) and, for DFlash 2, its extra shape keys.
+- Which exports fit which drafter (`drafter.arch`):
+    DFlash export   -> dflash:  every weight (strict);
+    DFlash export   -> dflash2: the backbone (pipeline.dflash2_train.warm_start: convolutions identity,
+                                selector fresh);
+    DFlash 2 export -> dflash2: every weight (strict);
+    DFlash 2 export -> dflash:  refused (a DFlash drafter has no place for the convolutions and selector;
+                                set drafter.arch=dflash2).
+- The weights are copied by pipeline.dflash2_train.init_weights, from build_drafter on every rank (DDP then
+  starts all ranks from the same weights).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.config import Config, ConfigError
+
+DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def read_export_config(path: str) -> dict:
+    """config.json of an export directory, or a ConfigError saying what an export directory holds."""
+    p = Path(path)
+    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+        raise ConfigError(f"--init-from {path}: not an exported drafter (needs config.json and model.safetensors, "
+                          "as RUN/export or a published DFlash checkpoint has); for a training checkpoint run "
+                          "`dflash export CKPT DIR` first")
+    try:
+        meta = json.loads((p / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--init-from {path}: config.json is not readable JSON ({e})") from None
+    archs = meta.get("architectures") or []
+    if DFLASH not in archs and DFLASH2 not in archs:
+        raise ConfigError(f"--init-from {path}: config.json names architectures {archs}, not {DFLASH} or {DFLASH2}: "
+                          "not a DFlash drafter export")
+    return meta
+
+
+def _export_value(meta: dict, key: str):
+    d = meta.get("dflash_config") or {}
+    if key == "target_layer_ids":
+        return [int(i) for i in d.get("target_layer_ids", [])]
+    if key in ("mask_token_id", *_DFLASH2_KEYS):
+        return d.get(key, meta.get(key))
+    if key == "block_size":
+        return int(d.get("block_size", meta.get("block_size", 16)))
+    if key == "layer_types":
+        return list(meta.get("layer_types") or ["full_attention"] * int(meta["num_hidden_layers"]))
+    if key == "sliding_window":
+        types = _export_value(meta, "layer_types")
+        return meta.get("sliding_window") if "sliding_attention" in types and meta.get("use_sliding_window", True) else None
+    return meta.get(key)
+
+
+def differences(cfg: Config, attrs: dict, layer_ids: list[int], meta: dict) -> list[str]:
+    """One line per field where the export does not fit, each with its fix."""
+    d, target = cfg.drafter, attrs["target"]
+    diffs = []
+    # the target side: fixed by the store, so the fix is another export (or another store)
+    other = "warm-start from a drafter trained for this target (or train without --init-from)"
+    if _export_value(meta, "hidden_size") != attrs["hidden_size"]:
+        diffs.append(f"hidden size: the export has {_export_value(meta, 'hidden_size')}, the store's target "
+                     f"{attrs['hidden_size']}; {other}")
+    if _export_value(meta, "target_layer_ids") != list(layer_ids):
+        diffs.append(f"target layer ids: the export conditions on {_export_value(meta, 'target_layer_ids')}, the "
+                     f"store holds {list(layer_ids)}; extract a store with target.layer_ids="
+                     f"{_export_value(meta, 'target_layer_ids')}, or {other}")
+    if _export_value(meta, "vocab_size") != target["vocab_size"]:
+        diffs.append(f"vocabulary: the export was made for {_export_value(meta, 'vocab_size')} tokens, the store's "
+                     f"target has {target['vocab_size']}; {other}")
+    # the drafter side: the config can follow the export
+    fields = ["num_hidden_layers", "block_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "mask_token_id", "layer_types", "sliding_window"]
+    if DFLASH2 in (meta.get("architectures") or []) and d.arch == "dflash2":
+        fields += list(_DFLASH2_KEYS)
+    want_types = list(d.layer_types or ["full_attention"] * d.num_hidden_layers)
+    for key in fields:
+        ours = want_types if key == "layer_types" else getattr(d, key)
+        if key == "sliding_window" and "sliding_attention" not in want_types:
+            ours = None
+        theirs = _export_value(meta, key)
+        if theirs is not None and key in ("mask_token_id", *_DFLASH2_KEYS):
+            theirs = int(theirs)
+        if theirs != ours:
+            shown = json.dumps(theirs)
+            diffs.append(f"drafter.{key}: the export has {shown}, the config {json.dumps(ours)}; set drafter.{key}: "
+                         f"{shown} (--set drafter.{key}={shown.replace(' ', '')})")
+    if DFLASH2 in (meta.get("architectures") or []) and d.arch != "dflash2":
+        diffs.append("drafter.arch: the export is a DFlash 2 drafter (convolutions and a candidate selector), the "
+                     "config trains DFlash; set drafter.arch: dflash2 (--set drafter.arch=dflash2) to start from all "
+                     "of it")
+    return diffs
+
+
+def check_init_from(cfg: Config, attrs: dict, layer_ids: list[int], path: str) -> None:
+    """Raise a ConfigError naming every difference between the export at `path` and this config and store."""
+    meta = read_export_config(path)
+    diffs = differences(cfg, attrs, layer_ids, meta)
+    if diffs:
+        raise ConfigError(f"--init-from {path} does not fit this config/store:\n  " + "\n  ".join(diffs))

@@ -1,0 +1,192 @@
+"""`dflash extract --plan`: what an extraction will take, said before any GPU work, writing nothing.
+
+Contract:
+- Runs ingest (the same samples, split and truncation the extraction would use), reads the target's config
+  (no weights, no hashing, no model) and prints: sample and token counts per split; the store size for
+  store.encoding; the free disk where the store goes; a time estimate on the given shards/GPUs. Exit 0.
+- Writes nothing: no store directory, no logs, no locks (tested). A hub id target may download its small
+  metadata files (config, tokenizer) into the hub cache, as any dflash command does.
+- Store size = tokens x (feature bytes per token x compression factor + 5 B of token id and loss mask)
+  + 21 B per sample (the sample index) + the frozen head (embedding, untied lm_head and final norm, in the
+  extraction's dtype). Feature bytes per token follow from the encoding's parts (pipeline/encoding.py,
+  `raw_bytes_per_token`): layers x hidden x bits, plus scales and outliers. The compression factor (store
+  bytes / raw bytes of the feature parts, blosc zstd-1 + byte shuffle) is a measured constant per encoding
+  and size class, `COMPRESSION` below: lossy encodings barely compress (their codes are near random), bf16
+  does by ~1.25x, and how much depends on the activations (a real 27B's may differ from the data measured).
+- Time = tokens / (rate per GPU x GPUs). The only measured rate of the real target class is the Qwen3.5/
+  3.6-27B hybrid's on one H200 with flash-linear-attention (RATE_27B_H200); another target's is scaled by
+  weight bytes (a forward's FLOPs follow its parameters), which for small targets is only a lower bound on
+  the time (they are bound by per-batch overheads, not FLOPs); the output says which it used.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pipeline import store as st
+from pipeline.config import Config
+from pipeline.encoding import check as check_encoding
+from pipeline.encoding import raw_bytes_per_token
+
+# store bytes of the feature parts / their raw bytes, blosc zstd-1 + byte shuffle (the default store.clevel)
+COMPRESSION = {
+    # "tiny": the tiny target (hidden 128, 3 layers): 240 tiny-chat samples (13,879 tokens) extracted in bf16
+    # on CPU (2 shards) and `dflash recode`d to every encoding; (all files of the store - frozen head - ids,
+    # masks and sample index) / (tokens x raw feature bytes), so zarr's metadata is in it (2026-11-30)
+    "tiny": {"bf16": 0.773, "fp8": 0.860, "int8": 0.915, "int6": 0.884, "int5": 0.866, "int4": 0.843,
+             "int4+int8last": 0.865, "int5+int8last": 0.876},
+    # "large": 27B-shaped activations (5 x 5120, log-normal channel scales, massive-activation channels);
+    # `python bench/codec_bench.py --tokens 4096`, docs/benchmarks.md "Feature encodings" (B/value / raw B/value).
+    # Extraction from a random-initialised 27B measured 0.787 (bf16), 0.907 (fp8), 0.965 (int5), 0.958 (int4):
+    # these are the larger (safer) of the two where both exist.
+    "large": {"bf16": 0.799, "fp8": 0.989, "int8": 0.984, "int6": 0.971, "int5": 0.966, "int4": 0.960,
+              "int4+int8last": 0.968, "int5+int8last": 0.972},
+}
+LARGE_HIDDEN = 1024  # targets at least this wide use the "large" factors
+TOKEN_BYTES = 5  # tokens int32 + loss_mask uint8, per token (pipeline/store.py)
+SAMPLE_BYTES = 21  # sample_start int64 + sample_length int32 + sample_id uint64 + split uint8, per sample
+# tokens/s per H200 extracting the Qwen3.5/3.6-27B hybrid (layers up to 61 of 64, flash-linear-attention 0.6):
+# design brief section 2 ("Both stages on one node at once", 2 x H200, 2026-11-30: 8,977 alone, 8,903 beside
+# training); its bare forward was 9,291, and 6,413 without flash-linear-attention (torch fallbacks)
+RATE_27B_H200 = 8977
+RATE_27B_H200_NO_FLA = 6413
+WEIGHT_BYTES_27B = 27e9 * 2  # bf16 weights of the 27B class, the reference for scaling by size
+
+
+@dataclass
+class Plan:
+    samples: dict  # split -> count
+    tokens: dict  # split -> tokens
+    feature_bytes_per_token: float  # after compression
+    raw_bytes_per_token: int
+    factor: float
+    factor_source: str
+    head_bytes: int
+    store_bytes: float
+    free_bytes: Optional[int]
+    free_at: str
+    seconds: Optional[float]
+    rate_note: str
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _target_meta(cfg: Config) -> tuple[dict, Path]:
+    from pipeline.target import local_target_dir
+
+    d = local_target_dir(cfg.target.path)
+    raw = json.loads((d / "config.json").read_text())
+    return raw.get("text_config", raw) | {"_top": raw}, d
+
+
+def head_bytes(meta: dict, dtype_bytes: int) -> int:
+    """embed_tokens (+ lm_head unless tied) + the final norm, in the extraction's dtype."""
+    tied = bool(meta["_top"].get("tie_word_embeddings", meta.get("tie_word_embeddings", False)))
+    V, H = int(meta["vocab_size"]), int(meta["hidden_size"])
+    return (V * H * (1 if tied else 2) + H) * dtype_bytes
+
+
+def free_disk(store_path: str) -> tuple[Optional[int], str]:
+    """Free bytes on the filesystem the store would go to (its nearest existing parent), or None for URLs."""
+    if not st.is_local(store_path):
+        return None, store_path
+    p = Path(store_path.removeprefix("file://"))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free, str(p)
+
+
+def estimate_time(tokens: int, gpus: int, weight_bytes: Optional[float], cuda: bool) -> tuple[Optional[float], str]:
+    if not cuda:
+        return None, ("no CUDA GPU here: extraction would run on the CPU, where no rate is measured for a large "
+                      "target (the tiny target ran at ~1,000 tokens/s on 2 shards of a 2-core machine)")
+    src = (f"{RATE_27B_H200:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention "
+           f"(design brief section 2, measured 2026-11-30; {RATE_27B_H200_NO_FLA:,} on torch fallbacks)")
+    if weight_bytes is None or weight_bytes >= 0.5 * WEIGHT_BYTES_27B:
+        return tokens / (RATE_27B_H200 * gpus), f"from {src}; assumes an H200-class GPU per shard"
+    scale = WEIGHT_BYTES_27B / weight_bytes
+    return (tokens / (RATE_27B_H200 * scale * gpus),
+            f"from {src}, scaled by weight bytes ({weight_bytes / 1e9:.3g} GB here vs 54 GB: x{scale:,.0f}); a lower "
+            "bound for a small target, which per-batch overheads dominate, not FLOPs")
+
+
+def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr) -> Plan:
+    from data.ingest import ingest
+    from pipeline.target import DTYPES, load_tokenizer, resolve_layer_ids
+
+    import torch
+
+    meta, d = _target_meta(cfg)
+    H, L_target = int(meta["hidden_size"]), int(meta["num_hidden_layers"])
+    ids = resolve_layer_ids(cfg.target.layer_ids, L_target, cfg.target.num_feature_layers)
+    enc = cfg.store.encoding
+    try:
+        check_encoding(enc, H)
+    except ValueError as e:
+        raise st.StoreError(f"store.encoding: {e}") from None
+    tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
+    samples, report = ingest(cfg.data, tokenizer)
+    print(report.summary(), file=out)
+    n = {"train": 0, "validation": 0}
+    t = {"train": 0, "validation": 0}
+    for s in samples:
+        n[s.split] += 1
+        t[s.split] += len(s.input_ids)
+    tokens = sum(t.values())
+    raw = raw_bytes_per_token(enc, len(ids), H)
+    size = "large" if H >= LARGE_HIDDEN else "tiny"
+    factor = COMPRESSION[size][enc]
+    cuda = torch.cuda.is_available()
+    dtype_bytes = torch.empty(0, dtype=DTYPES[cfg.target.dtype if cuda else cfg.target.cpu_dtype]).element_size()
+    head = head_bytes(meta, dtype_bytes)
+    total = tokens * (raw * factor + TOKEN_BYTES) + len(samples) * SAMPLE_BYTES + head
+    free, at = free_disk(store_path)
+    weights = sum(f.stat().st_size for f in d.glob("*.safetensors")) or None
+    seconds, note = estimate_time(tokens, shards, weights, cuda)
+    where = ("the tiny target's features" if size == "tiny" else "27B-shaped synthetic activations") + \
+        f" ({'hidden < ' if size == 'tiny' else 'hidden >= '}{LARGE_HIDDEN}; stages/plan.py COMPRESSION)"
+    return Plan(n, t, raw * factor, raw, factor, where, head, total, free, at, seconds, note)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f} GB" if x >= 1e8 else f"{x / 1e6:,.1f} MB"
+
+
+def _duration(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 3600 else (f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s")
+
+
+def run_plan(cfg: Config, store: Optional[str], shards: Optional[int], shard_index: Optional[int]) -> int:
+    """Print the plan (stdout) and write nothing. `shards`: the GPUs working at once (one shard per GPU)."""
+    store_path = store or cfg.store.path
+    num_shards = cfg.extract.shards if shards is None else shards
+    gpus = 1 if shard_index is not None else num_shards
+    p = make_plan(cfg, store_path, gpus)
+    say = print
+    say(f"plan: {p.samples['train']:,} train samples ({p.tokens['train']:,} tokens), {p.samples['validation']:,} "
+        f"validation samples ({p.tokens['validation']:,} tokens) after ingest")
+    say(f"plan: store {store_path} ({cfg.store.encoding}): about {_gb(p.store_bytes)} = features "
+        f"{p.raw_bytes_per_token:,} B/token raw x {p.factor:.3f} compression (measured on {p.factor_source}) "
+        f"= {p.feature_bytes_per_token:,.0f} B/token, + {TOKEN_BYTES} B/token of ids and loss mask, + the "
+        f"frozen head {_gb(p.head_bytes)}")
+    if p.free_bytes is None:
+        say(f"plan: free disk: unknown for {store_path} (not a local path)")
+    else:
+        short = p.store_bytes - p.free_bytes
+        verdict = "enough" if short <= 0 else f"NOT enough: {_gb(short)} missing"
+        say(f"plan: free disk at {p.free_at}: {_gb(p.free_bytes)} ({verdict})")
+    if p.seconds is None:
+        say(f"plan: time: {p.rate_note}")
+    else:
+        say(f"plan: time on {gpus} GPU(s): about {_duration(p.seconds)}, {p.rate_note}")
+    if st.exists(store_path):
+        say(f"plan: {store_path} exists: a rerun writes only what its shards have not committed (this plan counts "
+            "the whole store)")
+    say("plan: nothing was written; run the same command without --plan to extract")
+    return 0
