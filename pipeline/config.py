@@ -132,6 +132,10 @@ class EvalConfig:
     max_new_tokens: int = 64
     num_prompts: int = 32
     max_anchors_per_sample: int = 256
+    temperature: float = 0.0  # online: 0 = greedy (token-for-token lossless check); > 0 = sampling, drafts
+    #                           verified with the lossless rejection rule as serving does (stages/sampling.py)
+    top_p: float = 1.0  # online sampling: nucleus; 1 = off
+    seed: int = 0  # online sampling: draws are seeded per prompt from this
 
 
 @dataclass
@@ -294,6 +298,9 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{src}: {section}.{key} must be positive")
     _validate_regenerate(cfg.regenerate, src)
     _validate_anchors(cfg.train, src)
+    if cfg.eval.temperature < 0 or not 0.0 < cfg.eval.top_p <= 1.0:
+        raise ConfigError(f"{src}: eval.temperature must be >= 0 (0 = greedy) and eval.top_p in (0, 1]; got "
+                          f"{cfg.eval.temperature} and {cfg.eval.top_p}")
     if cfg.train.follow_buffer < 0:
         raise ConfigError(f"{src}: train.follow_buffer must be 0 or more (samples)")
     if not 0.0 <= cfg.data.validation_fraction < 1.0:

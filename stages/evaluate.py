@@ -351,6 +351,9 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
                 f"first: {first['sample_id']} at token {first['first_difference']} "
                 f"(target logit gap between the two choices: {first['logit_margin']}; ~0 means a "
                 f"numerical near-tie, e.g. bf16 kernels; try --set target.dtype=float32)\n{MISMATCH_BANNER}")
+        elif r.get("temperature"):
+            log(f"eval: sampled at temperature {r['temperature']} (top-p {r['top_p']}): lossless by the rejection "
+                "rule in distribution; outputs are not compared token for token")
         else:
             log(f"eval: lossless: speculative output equals greedy token for token on all {r['prompts']} prompts")
         if "offline" in report:
