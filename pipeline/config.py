@@ -298,6 +298,10 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{src}: {section}.{key} must be positive")
     _validate_regenerate(cfg.regenerate, src)
     _validate_anchors(cfg.train, src)
+    if cfg.data.max_length > d.max_position_embeddings:
+        raise ConfigError(f"{src}: data.max_length ({cfg.data.max_length}) exceeds drafter.max_position_embeddings "
+                          f"({d.max_position_embeddings}): the drafter would train on positions its exported config "
+                          "says it does not have; raise drafter.max_position_embeddings (long samples: 8K-16K)")
     if cfg.eval.temperature < 0 or not 0.0 < cfg.eval.top_p <= 1.0:
         raise ConfigError(f"{src}: eval.temperature must be >= 0 (0 = greedy) and eval.top_p in (0, 1]; got "
                           f"{cfg.eval.temperature} and {cfg.eval.top_p}")
