@@ -21,13 +21,7 @@ rule and the paired difference proportional vs fixed in percent with its 95% int
 
 from __future__ import annotations
 
-import argparse
-import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
-from encoding_tau import one_run, parse_seeds, reference_store, study_args, study_env, table
+from encoding_tau import paired_study
 
 RULES = {
     "fixed": ["train.num_anchors=8"],
@@ -36,27 +30,7 @@ RULES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    study_args(ap, "runs/anchor-tau", "0..3")
-    a = ap.parse_args()
-    if a.summarize:
-        table([{**json.loads(x), "source": f} for f in a.summarize for x in Path(f).read_text().splitlines()
-               if x.strip()], list(RULES), by="run", base="fixed")
-        return
-    env = study_env(a)
-    out = Path(a.out).resolve()
-    ref = reference_store(out, env)
-    results = out / "results.jsonl"
-    rows = [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
-    done = {(r["run"], r["seed"]) for r in rows}
-    todo = [(rule, seed) for seed in parse_seeds(a.seeds) for rule in RULES if (rule, seed) not in done]
-    lock = threading.Lock()
-    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        futures = [pool.submit(one_run, out, ref, "bf16", seed, results, lock, env, [*a.set, *RULES[rule]], rule)
-                   for rule, seed in todo]
-        for fut in futures:
-            fut.result()
-    table([json.loads(x) for x in results.read_text().splitlines()], list(RULES), by="run", base="fixed")
+    paired_study("runs/anchor-tau", "0..3", RULES, base="fixed")
 
 
 if __name__ == "__main__":
