@@ -111,3 +111,32 @@ def test_max_length_beyond_the_drafters_positions_is_refused():
         load_config(None, ["data.max_length=8192"])
     cfg = load_config(None, ["data.max_length=16384", "drafter.max_position_embeddings=16384"])
     assert cfg.data.max_length == 16384
+
+
+@pytest.mark.slow  # extraction + two training steps at 8K tokens on the tiny target: 6 min on the loaded 2-core machine
+def test_extract_and_train_an_8k_sample_end_to_end(tmp_path):
+    """`dflash extract` and `dflash train` on conversations of ~8.3K and ~10 tokens with data.max_length 8192:
+    the long one is stored whole (truncated to max_length, not dropped), training steps over it."""
+    import json
+
+    from helpers_cli import TINY, dflash
+    from pipeline.store import StoreReader
+
+    words = "the list is violin , bottle , umbrella . so the first item is violin .".split()
+    long_text = " ".join(words[i % len(words)] for i in range(5000))
+    rows = [{"messages": [{"role": "user", "content": long_text[:20000]},
+                          {"role": "assistant", "content": long_text}]}]
+    rows += [{"messages": [{"role": "user", "content": f"what is {i} plus one ?"},
+                           {"role": "assistant", "content": f"it is {i + 1} ."}]} for i in range(8)]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store, run = str(tmp_path / "s.zarr"), tmp_path / "run"
+    sets = ["data.max_length=8192", "drafter.max_position_embeddings=8192", f"data.train_files=[{data}]",
+            "data.validation_files=[]", "data.validation_fraction=0.0"]
+    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, *[x for s in sets for x in ("--set", s)])
+    lengths = sorted(s.length for s in StoreReader(store).samples)
+    assert lengths[-1] == 8192 and len(lengths) == 9  # the long sample truncated to max_length, kept
+    dflash("train", "--config", TINY, "--store", store, *[x for s in [*sets, f"train.run_dir={run}",
+           "train.max_steps=2", "train.batch_size=2", "train.num_workers=0", "train.num_anchors=64",
+           "train.anchor_rule=proportional"] for x in ("--set", s)])
+    assert (run / "summary.json").exists()
