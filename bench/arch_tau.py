@@ -15,39 +15,13 @@ seed-major, so a run cut short leaves whole pairs.
 
 from __future__ import annotations
 
-import argparse
-import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
-from encoding_tau import one_run, parse_seeds, reference_store, study_args, study_env, table
+from encoding_tau import paired_study
 
 ARCHS = ("dflash", "dflash2")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    study_args(ap, "runs/arch-tau", "0..3")
-    a = ap.parse_args()
-    if a.summarize:
-        table([{**json.loads(x), "source": f} for f in a.summarize for x in Path(f).read_text().splitlines()
-               if x.strip()], list(ARCHS), by="run", base="dflash")
-        return
-    env = study_env(a)
-    out = Path(a.out).resolve()
-    ref = reference_store(out, env)
-    results = out / "results.jsonl"
-    rows = [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
-    done = {(r["run"], r["seed"]) for r in rows}
-    todo = [(arch, seed) for seed in parse_seeds(a.seeds) for arch in ARCHS if (arch, seed) not in done]
-    lock = threading.Lock()
-    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        futures = [pool.submit(one_run, out, ref, "bf16", seed, results, lock, env,
-                               [*a.set, f"drafter.arch={arch}"], arch) for arch, seed in todo]
-        for fut in futures:
-            fut.result()
-    table([json.loads(x) for x in results.read_text().splitlines()], list(ARCHS), by="run", base="dflash")
+    paired_study("runs/arch-tau", "0..3", {arch: [f"drafter.arch={arch}"] for arch in ARCHS}, base="dflash")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
 #        needs fla-core + einops in .whl/: ../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2)
+#   bash bench/device_run.sh long                                            (issue 19.6: 2K-16K samples, ~4 min)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
 #   FT_SEEDS=8 FT_DELAY=3 bash bench/device_run.sh followtau                 (issue 17's tau pairs on host CPUs, ~8 min)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
@@ -107,6 +108,8 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
     regen)  # dflash regenerate's batched generation vs a per-prompt generate loop, real 27B hybrid layout, one GPU
       python3 bench/regen_bench.py --prompts ${REGEN_PROMPTS:-64} --loop-prompts ${REGEN_LOOP:-4} \
         --new-tokens ${REGEN_NEW:-256} --out "$OUT/regen.json" > "$OUT/regen.log" 2>&1; grep -v "^\[transformers\]" "$OUT/regen.log" | tail -9 ;;
+    long)  # issue 19.6: one training step of the 27B drafter at 2K/8K/16K tokens per sample: peak memory, step time
+      python3 bench/long_bench.py --steps 5 --out "$OUT/long.json" 2>&1 | grep -v "Warning\|warn(" | tail -8 ;;
     *) echo "unknown part $part" ;;
   esac
 done

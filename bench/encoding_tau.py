@@ -136,6 +136,33 @@ def main() -> None:
     table(rows, encodings)
 
 
+def paired_study(out_default: str, seeds_default: str, variants: dict[str, list[str]], base: str) -> None:
+    """The main() of a paired study of training variants on the one bf16 store (bench/arch_tau.py,
+    bench/anchor_tau.py): per seed one run per variant (its training overrides), seed-major, resumable; then
+    the table of each measure per variant and the paired difference to `base`."""
+    ap = argparse.ArgumentParser()
+    study_args(ap, out_default, seeds_default)
+    a = ap.parse_args()
+    if a.summarize:
+        table([{**json.loads(x), "source": f} for f in a.summarize for x in Path(f).read_text().splitlines()
+               if x.strip()], list(variants), by="run", base=base)
+        return
+    env = study_env(a)
+    out = Path(a.out).resolve()
+    ref = reference_store(out, env)
+    results = out / "results.jsonl"
+    rows = [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
+    done = {(r["run"], r["seed"]) for r in rows}
+    todo = [(name, seed) for seed in parse_seeds(a.seeds) for name in variants if (name, seed) not in done]
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        futures = [pool.submit(one_run, out, ref, "bf16", seed, results, lock, env, [*a.set, *variants[name]], name)
+                   for name, seed in todo]
+        for fut in futures:
+            fut.result()
+    table([json.loads(x) for x in results.read_text().splitlines()], list(variants), by="run", base=base)
+
+
 def reference_store(out: Path, env: dict) -> Path:
     """The lossless bf16 store of the tiny target's conversations (extracted once)."""
     ref = out / "stores" / "bf16.zarr"

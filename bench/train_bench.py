@@ -20,6 +20,8 @@ import argparse
 import json
 import os
 import time
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -82,31 +84,12 @@ def main() -> None:
         use_compile_cache(a.cache_dir)
         print(f"compile cache {a.cache_dir}: {'warm' if os.path.isdir(os.path.join(a.cache_dir, 'inductor')) else 'cold'}")
     dev = torch.device(a.device)
-    types = ["sliding_attention"] * (a.layers - 1) + ["full_attention"]
-    cfg = Config(drafter=DrafterConfig(num_hidden_layers=a.layers, layer_types=types, sliding_window=2048,
-                                       block_size=16, arch=a.arch, **shape), train=TrainConfig(loss_chunk_rows=a.chunk))
-    with torch.device(dev):
-        drafter = build_drafter(cfg, [1, 16, 31, 46, 61], a.vocab)  # what `dflash train` builds
-    arch = drafter.arch
-    H = arch.hidden_size
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # CPU: fp32, no autocast
-    embed = torch.randn(a.vocab, H, device=dev, dtype=dtype) * 0.02
-    head = torch.randn(a.vocab, H, device=dev, dtype=dtype) * 0.02
-    g = torch.Generator().manual_seed(0)
-    S, bs = a.seq, 16
-    tokens = torch.randint(0, a.vocab, (1, S), generator=g).to(dev)
-    loss_mask = torch.ones(1, S, dtype=torch.bool, device=dev)
-    loss_mask[:, :200] = False
-    anchors = sample_anchors(loss_mask[0].cpu(), a.anchors, g)[None].to(dev)
-    feats = (torch.randn(1, S, 5 * H, generator=g) * 0.5).to(dev, dtype)
-    blocks = build_blocks(tokens, loss_mask, anchors, bs, 248070 % a.vocab, 7.0)
-    Q = anchors.shape[1] * bs
+    c = build_case(a.arch, a.layers, a.vocab, a.seq, a.anchors, a.chunk, dev, shape)
+    drafter, arch, types, S, bs, anchors, blocks, Q = c.drafter, c.arch, c.types, c.S, c.bs, c.anchors, c.blocks, c.Q
     rows = int((blocks.labels >= 0).sum())
     vis = {t: int(dense_mask(anchors, bs, S, window=(2048 if t == "sliding_attention" else None)).sum())
            for t in set(types)}
     flops = useful_flops(arch, S, Q, rows, a.vocab, vis)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda")
-    ctx_pos = torch.arange(S, device=dev)[None]
     results = {"arch": a.arch, "params": sum(p.numel() for p in drafter.parameters()),
                "useful_tflop_per_step": flops / 1e12, "rows": rows, "Q": Q, "S": S,
                "sparsity": {t: 1 - v / (Q * (S + Q)) for t, v in vis.items()}, "modes": {}}
@@ -140,19 +123,7 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
-        def step():
-            attend = make_attend(mode, anchors=anchors, block_size=bs, ctx_len=S, layer_types=types,
-                                 sliding_window=2048, seq_lens=torch.tensor([S], device=dev))
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                ctx = drafter.project_context(feats)
-                emb = F.embedding(blocks.input_ids, embed)
-                h = model(emb, ctx, blocks.positions, ctx_pos, attend)
-                loss_sum, _, _ = drafter_loss(drafter, h, head, blocks, tokens, cfg.train)  # DFlash or DFlash 2
-            (loss_sum / blocks.weights.sum()).backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step = partial(train_step, c, mode, model)
         t0 = time.perf_counter()
         step()
         sync(dev)
@@ -187,6 +158,52 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def build_case(arch: str, layers: int, vocab: int, S: int, n_anchors: int, chunk: int, dev: torch.device,
+               shape: dict, prompt: int = 200) -> SimpleNamespace:
+    """The 27B-class drafter (or `shape`'s tiny one) that `dflash train` builds, one sequence of S tokens whose
+    first `prompt` are unlabelled, n_anchors anchors x block 16, random features, frozen embedding/head, AdamW.
+    Shared with bench/long_bench.py."""
+    types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    cfg = Config(drafter=DrafterConfig(num_hidden_layers=layers, layer_types=types, sliding_window=2048,
+                                       block_size=16, arch=arch, max_position_embeddings=max(262144, S), **shape),
+                 train=TrainConfig(loss_chunk_rows=chunk))
+    with torch.device(dev):
+        drafter = build_drafter(cfg, [1, 16, 31, 46, 61], vocab)  # what `dflash train` builds
+    H = drafter.arch.hidden_size
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # CPU: fp32, no autocast
+    g = torch.Generator().manual_seed(0)
+    bs = 16
+    tokens = torch.randint(0, vocab, (1, S), generator=g).to(dev)
+    loss_mask = torch.ones(1, S, dtype=torch.bool, device=dev)
+    loss_mask[:, :prompt] = False
+    anchors = sample_anchors(loss_mask[0].cpu(), n_anchors, g)[None].to(dev)
+    blocks = build_blocks(tokens, loss_mask, anchors, bs, 248070 % vocab, 7.0)
+    return SimpleNamespace(
+        cfg=cfg, drafter=drafter, arch=drafter.arch, types=types, S=S, bs=bs, dev=dev, tokens=tokens, anchors=anchors,
+        blocks=blocks, Q=anchors.shape[1] * bs, ctx_pos=torch.arange(S, device=dev)[None],
+        embed=torch.randn(vocab, H, device=dev, dtype=dtype) * 0.02, head=torch.randn(vocab, H, device=dev, dtype=dtype) * 0.02,
+        feats=(torch.randn(1, S, 5 * H, generator=g) * 0.5).to(dev, dtype),
+        opt=torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda"))
+
+
+def train_step(c: SimpleNamespace, mode: str, model=None) -> torch.Tensor:
+    """One optimizer step of `dflash train` on the case (mode flex or sdpa; model: a compiled drafter); the loss."""
+    model = model or c.drafter
+    attend = make_attend(mode, anchors=c.anchors, block_size=c.bs, ctx_len=c.S, layer_types=c.types,
+                         sliding_window=2048, seq_lens=torch.tensor([c.S], device=c.dev))
+    with torch.autocast(c.dev.type, dtype=torch.bfloat16, enabled=c.dev.type == "cuda"):
+        ctx = c.drafter.project_context(c.feats)
+        emb = F.embedding(c.blocks.input_ids, c.embed)
+        h = model(emb, ctx, c.blocks.positions, c.ctx_pos, attend)
+        loss_sum, _, _ = drafter_loss(c.drafter, h, c.head, c.blocks, c.tokens, c.cfg.train)  # DFlash or DFlash 2
+    loss = loss_sum / c.blocks.weights.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(c.drafter.parameters(), 1.0)
+    c.opt.step()
+    c.opt.zero_grad(set_to_none=True)
+    return loss.detach()  # a tensor: no host sync inside timed loops
 
 
 def attention_only(arch: DrafterArch, anchors, bs: int, S: int, types: list, vis: dict, peak: float) -> dict:

@@ -5,7 +5,8 @@ Contract:
   own: zarr's event loop and fsspec are not fork-safe). Items are `(key, epoch, filler)` from the sampler
   (data/sampler.py): key is a `SampleRef` (a sample of a finished store or of one still being written) or a
   position in `indices`. Anchors are drawn fresh each epoch yet reproducibly (seeded by seed, epoch and sample
-  id). A filler item keeps its tokens but has its loss mask zeroed: no anchors, no loss, no gradient.
+  id); train.anchor_rule picks how many (pipeline/masks.py sample_anchors). A filler item keeps its tokens
+  but has its loss mask zeroed: no anchors, no loss, no gradient.
 - Features leave the loader still encoded (the encoding's parts, pipeline.encoding): decoding happens on the GPU.
 - `collate` pads to a multiple of `pad_multiple` (128 on GPU, fixed shapes keep compiled graphs few) and keeps
   the sample ids (-1 for fillers).
@@ -38,10 +39,11 @@ from pipeline.store import SampleRef, StoreReader
 class StoreDataset(torch.utils.data.Dataset):
     def __init__(self, store_path: str, indices: list[int], num_anchors: int, seed: int,
                  lengths: Optional[list[int]] = None, fixed_anchors: bool = False, growing: bool = False,
-                 wait_log: Optional[str] = None):
+                 wait_log: Optional[str] = None, anchors_per_token: Optional[float] = None):
         self.store_path, self.indices = store_path, list(indices)
         self.num_anchors, self.seed, self.fixed_anchors = num_anchors, seed, fixed_anchors
         self.lengths, self.growing = lengths, growing  # growing: the store may still be written (--follow)
+        self.anchors_per_token = anchors_per_token  # None: num_anchors each; r: ~r per labelled token (masks.py)
         self.wait_log = wait_log  # where a worker waiting for extraction says so (rank 0's log), besides stderr
         self._reader: Optional[StoreReader] = None
         self._stream: Optional[GrowingStore] = None
@@ -85,7 +87,7 @@ class StoreDataset(torch.utils.data.Dataset):
         loss_mask = torch.from_numpy(s["loss_mask"].astype(np.bool_))
         if filler:
             loss_mask.zero_()
-        anchors = sample_anchors(loss_mask, self.num_anchors, g)
+        anchors = sample_anchors(loss_mask, self.num_anchors, g, self.anchors_per_token)
         item = {
             "tokens": torch.from_numpy(s["tokens"].astype(np.int64)),  # [S]
             "loss_mask": loss_mask,  # [S] bool

@@ -110,7 +110,9 @@ class TrainConfig:
     epochs: int = 6
     max_steps: int = -1  # -1: run all epochs
     grad_clip: float = 1.0
-    num_anchors: int = 512
+    num_anchors: int = 512  # anchors per sample (rule fixed), or the cap (rule proportional)
+    anchor_rule: str = "fixed"  # fixed: num_anchors per sample | proportional: ~anchors_per_token per labelled token
+    anchors_per_token: Optional[float] = None  # proportional: None = num_anchors / data.max_length
     gamma: Optional[float] = None  # loss decay over block slots; None: the paper's value for drafter.block_size
     selector_loss_alpha: float = 1.0  # dflash2: weight of the selector's K-way cross-entropy (0: no selector)
     batch_size: int = 1  # sequences per micro-batch per rank
@@ -132,6 +134,10 @@ class EvalConfig:
     max_new_tokens: int = 64
     num_prompts: int = 32
     max_anchors_per_sample: int = 256
+    temperature: float = 0.0  # online: 0 = greedy (token-for-token lossless check); > 0 = sampling, drafts
+    #                           verified with the lossless rejection rule as serving does (stages/sampling.py)
+    top_p: float = 1.0  # online sampling: nucleus; 1 = off
+    seed: int = 0  # online sampling: draws are seeded per prompt from this
 
 
 @dataclass
@@ -175,6 +181,7 @@ class Config:
 _CHOICES = {
     ("store", "encoding"): ENCODINGS,
     ("data", "on_bad_row"): ("error", "skip"),
+    ("train", "anchor_rule"): ("fixed", "proportional"),
     ("train", "compile"): ("auto", "on", "off"),
     ("train", "precision"): ("bf16-mixed", "32-true", "bf16-true"),
     ("target", "dtype"): ("bfloat16", "float16", "float32"),
@@ -300,6 +307,14 @@ def _validate(cfg: Config) -> None:
         if getattr(getattr(cfg, section), key) <= 0:
             raise ConfigError(f"{src}: {section}.{key} must be positive")
     _validate_regenerate(cfg.regenerate, src)
+    _validate_anchors(cfg.train, src)
+    if cfg.data.max_length > d.max_position_embeddings:
+        raise ConfigError(f"{src}: data.max_length ({cfg.data.max_length}) exceeds drafter.max_position_embeddings "
+                          f"({d.max_position_embeddings}): the drafter would train on positions its exported config "
+                          "says it does not have; raise drafter.max_position_embeddings (long samples: 8K-16K)")
+    if cfg.eval.temperature < 0 or not 0.0 < cfg.eval.top_p <= 1.0:
+        raise ConfigError(f"{src}: eval.temperature must be >= 0 (0 = greedy) and eval.top_p in (0, 1]; got "
+                          f"{cfg.eval.temperature} and {cfg.eval.top_p}")
     if cfg.train.follow_buffer < 0:
         raise ConfigError(f"{src}: train.follow_buffer must be 0 or more (samples)")
     if not 0.0 <= cfg.data.validation_fraction < 1.0:
@@ -416,6 +431,24 @@ def build_target_layer_ids(num_layers: int, n: int) -> list[int]:
     if n == 1:
         return [num_layers // 2]
     return [int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n)]
+
+
+def _validate_anchors(t: TrainConfig, src: str) -> None:
+    if t.anchors_per_token is not None and not 0.0 < t.anchors_per_token <= 1.0:
+        raise ConfigError(f"{src}: train.anchors_per_token must be in (0, 1] (anchors per labelled token), "
+                          f"got {t.anchors_per_token}")
+    if t.anchors_per_token is not None and t.anchor_rule != "proportional":
+        raise ConfigError(f"{src}: train.anchors_per_token is only used with train.anchor_rule=proportional; "
+                          "set that too, or drop anchors_per_token")
+
+
+def anchors_per_token(cfg: Config) -> Optional[float]:
+    """The training anchor rate: None for rule `fixed`; for `proportional` the configured rate, else
+    num_anchors / data.max_length (a sample labelled over its whole max_length gets the cap)."""
+    t = cfg.train
+    if t.anchor_rule != "proportional":
+        return None
+    return t.anchors_per_token if t.anchors_per_token is not None else min(1.0, t.num_anchors / cfg.data.max_length)
 
 
 def gamma_for_block(block_size: int) -> float:

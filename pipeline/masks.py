@@ -41,16 +41,22 @@ FLEX_BLOCK = 128  # flex_attention's tile; lengths are padded to a multiple of i
 # ----------------------------------------------------------------------------------------------------------
 
 
-def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torch.Generator] = None) -> Tensor:
+def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torch.Generator] = None,
+                   per_token: Optional[float] = None) -> Tensor:
     """Anchors for one sequence: uniform without replacement among a with m[a] and m[a+1] (a+1 < S); sorted.
 
-    loss_mask: [S] bool/int. Returns a LongTensor [min(num_anchors, #candidates)] on loss_mask's device.
+    loss_mask: [S] bool/int. Returns a LongTensor [n] on loss_mask's device, where
+      per_token None (rule `fixed`):        n = min(num_anchors, #candidates);
+      per_token r (rule `proportional`):    n = min(num_anchors, #candidates, max(1, round(r * #labelled))),
+    #labelled = loss_mask.sum(): a short conversation gets fewer anchors than a long one, never none while it
+    has a candidate; num_anchors stays the cap (the padded width). Same candidates either way.
     A fresh generator state per epoch gives fresh anchors per epoch.
     """
     m = loss_mask.bool()
     cand = torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()  # [C] positions a with a+1 < S
-    if cand.numel() > num_anchors:
-        perm = torch.randperm(cand.numel(), generator=generator, device="cpu")[:num_anchors]
+    n = num_anchors if per_token is None else min(num_anchors, max(1, round(per_token * int(m.sum()))))
+    if cand.numel() > n:
+        perm = torch.randperm(cand.numel(), generator=generator, device="cpu")[:n]
         cand = cand[perm.to(cand.device)]
     return torch.sort(cand).values
 

@@ -9,6 +9,10 @@ and every prompt whose speculative output differs from greedy (must be none: tha
 the target's logit gap at the first difference), and which cache policy ran and how it rolled back rejected
 drafts (`cache`, `cache_rollback`; hybrid targets restore their linear-attention states, stages/speculate.py).
 A hybrid target's kernels are named in one line before loading (pipeline/kernels.py).
+At eval.temperature > 0 both decoders sample (eval.top_p, eval.seed; each prompt's draws seeded from its
+index) and the speculative one verifies drafts with the lossless rejection rule (stages/sampling.py), as
+serving does: outputs then differ from the baseline's by chance, so the token-for-token check is replaced by
+the rule's distribution guarantee (tested in tests/test_sampling_eval.py); tau is tokens per verify step.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: 
 def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cache, store_attrs, threads) -> dict:
     from pipeline.kernels import kernel_report, use_kernel_cache
     from pipeline.target import DTYPES, load_target, load_tokenizer
+    from stages.sampling import Sampling
     from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
 
     arch = drafter.arch
@@ -173,21 +178,28 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
     greedy_decode(runner, encoded[0][1], min(8, max_new_tokens), stops)
     speculative_decode(runner, draft_fn, encoded[0][1], max_new_tokens=min(8, max_new_tokens), **spec_kw)
     g_time = s_time = 0.0
-    g_fwd = s_fwd = new_tokens = 0
+    g_fwd = s_fwd = new_tokens = spec_tokens = 0
+    sampling = Sampling(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.seed)
+    if not sampling.greedy:
+        log(f"eval: sampling at temperature {sampling.temperature}, top-p {sampling.top_p}, seed {sampling.seed}: "
+            "drafts verified with the rejection rule (lossless in distribution, not token for token)")
     steps: list[int] = []
     mismatches = []
     per_prompt = []
-    for sid, ids in encoded:
-        g = greedy_decode(runner, ids, max_new_tokens, stops)
-        s = speculative_decode(runner, draft_fn, ids, max_new_tokens=max_new_tokens, **spec_kw)
+    for i, (sid, ids) in enumerate(encoded):
+        gens = (None, None) if sampling.greedy else (sampling.generator(device, 2 * i), sampling.generator(device, 2 * i + 1))
+        g = greedy_decode(runner, ids, max_new_tokens, stops, sampling, gens[0])
+        s = speculative_decode(runner, draft_fn, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                               generator=gens[1], **spec_kw)
         g_time += g.seconds
         s_time += s.seconds
         g_fwd += g.forwards
         s_fwd += s.forwards
         new_tokens += len(g.tokens)
+        spec_tokens += len(s.tokens)
         steps += s.steps
-        same = g.tokens == s.tokens
-        if not same:
+        same = g.tokens == s.tokens if sampling.greedy else None  # sampled outputs differ by chance
+        if same is False:
             first = next((j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b),
                          min(len(g.tokens), len(s.tokens)))
             mismatches.append({"sample_id": sid, "first_difference": first, "greedy": g.tokens, "speculative": s.tokens,
@@ -206,17 +218,22 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
         "prompts": len(encoded),
         "max_new_tokens": max_new_tokens,
         "enable_thinking": cfg.data.enable_thinking,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "sampling_seed": None if sampling.greedy else sampling.seed,
+        "lossless_check": "token for token against greedy" if sampling.greedy else
+                          "by construction (rejection rule, tested in distribution); no token comparison",
         "new_tokens": new_tokens,
         "verify_steps": len(steps),
         "tau": float(sum(steps) / max(len(steps), 1)),
-        "tokens_per_target_forward": float(new_tokens / max(s_fwd, 1)),
+        "tokens_per_target_forward": float(spec_tokens / max(s_fwd, 1)),
         "greedy_target_forwards": g_fwd,
         "speculative_target_forwards": s_fwd,
         "greedy_seconds": round(g_time, 4),
         "speculative_seconds": round(s_time, 4),
         "greedy_tokens_per_second": round(new_tokens / max(g_time, 1e-9), 2),
-        "speculative_tokens_per_second": round(new_tokens / max(s_time, 1e-9), 2),
-        "speedup": float(g_time / max(s_time, 1e-9)),
+        "speculative_tokens_per_second": round(spec_tokens / max(s_time, 1e-9), 2),
+        "speedup": float((spec_tokens / max(s_time, 1e-9)) / max(new_tokens / max(g_time, 1e-9), 1e-9)),
         "acceptance_histogram": {str(k): int(hist[k]) for k in range(1, arch.block_size + 1)},
         "mismatches": len(mismatches),
         "lossless": not mismatches,

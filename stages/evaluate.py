@@ -362,8 +362,9 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
             f"{cfg.eval.max_new_tokens} new tokens")
         report["online"] = r = run_online(drafter, cfg, dev, encoding, cfg.eval.num_prompts, cfg.eval.max_new_tokens,
                                           cache, store_attrs, threads)
+        base = "plain sampling" if r.get("temperature") else "greedy"
         log(f"eval: online tau {r['tau']:.3f} tokens/verify step, {r['tokens_per_target_forward']:.3f} tokens/target "
-            f"forward, speedup {r['speedup']:.2f}x over greedy ({r['greedy_tokens_per_second']:.1f} -> "
+            f"forward, speedup {r['speedup']:.2f}x over {base} ({r['greedy_tokens_per_second']:.1f} -> "
             f"{r['speculative_tokens_per_second']:.1f} tok/s, cache={r['cache']}, {r['prompts']} prompts, "
             f"{r['new_tokens']} tokens)")
         if r["mismatches"]:
@@ -374,6 +375,9 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
                 f"first: {first['sample_id']} at token {first['first_difference']} "
                 f"(target logit gap between the two choices: {first['logit_margin']}; ~0 means a "
                 f"numerical near-tie, e.g. bf16 kernels; try --set target.dtype=float32)\n{MISMATCH_BANNER}")
+        elif r.get("temperature"):
+            log(f"eval: sampled at temperature {r['temperature']} (top-p {r['top_p']}): lossless by the rejection "
+                "rule in distribution; outputs are not compared token for token")
         else:
             log(f"eval: lossless: speculative output equals greedy token for token on all {r['prompts']} prompts")
         if "offline" in report:

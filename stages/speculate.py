@@ -18,6 +18,11 @@ Contract (used by `dflash eval --online` and the tests):
   Output is truncated after a stop token or at max_new_tokens exactly like greedy.
 - Greedy speculative decoding is lossless: `speculative_decode(...).tokens == greedy_decode(...).tokens`.
   The evaluation counts any difference as a bug.
+- Sampling (`sampling=Sampling(temperature > 0, top_p, seed)`, stages/sampling.py): the baseline samples each
+  token from the target's p; the speculative decoder draws each draft token from the drafter's q (same
+  temperature/top-p; DFlash 2's selector stays deterministic, q one-hot) and verifies with the rejection rule
+  (stages/sampling.py `verify`): lossless in distribution, not token for token. Temperature 0 (or
+  sampling=None) is the greedy path above, unchanged.
 - `draft_fn(context [p, L*H], p, last_id) -> list[int]` is pluggable (its `reset()`, if any, is called at the
   start of each sequence); `dflash_draft_fn` is the DFlash drafter (`draft_blocks`' math with the projected
   context cached across steps; a DFlash 2 drafter picks its tokens with its selector walk, `select`), tests
@@ -36,6 +41,7 @@ from torch import Tensor, nn
 
 from pipeline.encoding import decode, encode
 from pipeline.target import FeatureCapture
+from stages.sampling import Sampling, draw, verify
 
 DraftFn = Callable[[Tensor, int, int], list]
 
@@ -114,15 +120,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _picker(runner: TargetRunner, sampling: Optional[Sampling], generator: Optional[torch.Generator]):
+    """(logits [V] -> next token, the generator): argmax when greedy, else a draw from sampling.probs."""
+    if sampling is None or sampling.greedy:
+        return (lambda logits: int(logits.argmax())), None
+    gen = generator if generator is not None else sampling.generator(runner.device)
+    return (lambda logits: int(draw(sampling.probs(logits), gen))), gen
+
+
 @torch.inference_mode()
-def greedy_decode(runner: TargetRunner, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> DecodeResult:
+def greedy_decode(runner: TargetRunner, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+                  sampling: Optional[Sampling] = None, generator: Optional[torch.Generator] = None) -> DecodeResult:
+    """Plain decoding: argmax, or with a sampling temperature > 0 a draw from the target's p per token."""
+    pick, _ = _picker(runner, sampling, generator)
     runner.reset()
     _sync(runner.device)
     t0 = time.perf_counter()
-    out = [int(runner.extend(prompt)[-1].argmax())]
+    out = [pick(runner.extend(prompt)[-1])]
     forwards = 1
     while out[-1] not in stop_ids and len(out) < max_new_tokens:
-        out.append(int(runner.extend([out[-1]])[-1].argmax()))
+        out.append(pick(runner.extend([out[-1]])[-1]))
         forwards += 1
     _sync(runner.device)
     return DecodeResult(out, forwards, time.perf_counter() - t0, cache=runner.policy)
@@ -132,7 +149,9 @@ def greedy_decode(runner: TargetRunner, prompt: list[int], max_new_tokens: int, 
 def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int], layer_ids: list[int],
                        block_size: int, max_new_tokens: int, stop_ids: set[int],
                        feature_encoding: Optional[str] = "bf16",
-                       feature_dtype: torch.dtype = torch.float32) -> DecodeResult:
+                       feature_dtype: torch.dtype = torch.float32, sampling: Optional[Sampling] = None,
+                       generator: Optional[torch.Generator] = None) -> DecodeResult:
+    pick, gen = _picker(runner, sampling, generator)
     runner.reset()
     if hasattr(draft_fn, "reset"):
         draft_fn.reset()
@@ -150,21 +169,28 @@ def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int
         P = len(prompt)
         logits = runner.extend(prompt)
         ctx = [features(P)]
-        out = [int(logits[-1].argmax())]
+        out = [pick(logits[-1])]
         forwards, steps = 1, []
         while out[-1] not in stop_ids and len(out) < max_new_tokens:
             pos = P + len(out) - 1  # position of the last verified token; its features do not exist yet
             context = torch.cat(ctx) if len(ctx) > 1 else ctx[0]
             ctx = [context]
             draft = [int(t) for t in draft_fn(context, pos, out[-1])][: block_size - 1]
+            q = None
+            if gen is not None:
+                draft, q = _sampled_draft(draft_fn, draft, sampling, gen)
             logits = runner.extend([out[-1]] + draft)  # [1 + len(draft), V]: ONE verify forward
             forwards += 1
-            greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after [..., last, d1..di]
-            n = 0
-            while n < len(draft) and draft[n] == greedy[n]:
-                n += 1
+            if gen is None:
+                greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after [..., last, d1..di]
+                n = 0
+                while n < len(draft) and draft[n] == greedy[n]:
+                    n += 1
+                nxt = greedy[n]
+            else:  # the rejection rule: accepted drafts, then a residual draw or the bonus token
+                n, nxt = verify(draft, q, sampling.probs(logits), gen)
             produced = []
-            for t in draft[:n] + [greedy[n]]:
+            for t in draft[:n] + [nxt]:
                 produced.append(t)
                 if t in stop_ids or len(out) + len(produced) >= max_new_tokens:
                     break
@@ -179,6 +205,16 @@ def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int
         capture.remove()
 
 
+def _sampled_draft(draft_fn, draft: list[int], sampling: Sampling, gen: torch.Generator) -> tuple:
+    """(draft tokens drawn from the drafter's q, q [n, V]) when the draft_fn exposes its logits; else the
+    draft_fn's own tokens with q one-hot (None), which the rejection rule handles as a deterministic drafter."""
+    logits = getattr(draft_fn, "logits", None)
+    if logits is None or not draft:
+        return draft, None
+    q = sampling.probs(logits[: len(draft)])  # [n, V]
+    return draw(q, gen).tolist(), q
+
+
 class DFlashDraftFn:
     """The DFlash drafter as a draft_fn: block [last, MASK...] at positions p.., context = features of positions < p.
 
@@ -186,6 +222,8 @@ class DFlashDraftFn:
     the projected context hidden_norm(fc(features)) is per position, so it is cached and only the verified
     tokens' new rows are projected each step (for a 27B target, re-projecting 5x5120 features of thousands
     of positions every step would cost as much as the verify forward). `reset()` starts a new sequence.
+    `logits` [bs-1, V] holds the last call's logits (None for DFlash 2, whose selector is deterministic): the
+    sampling decoder draws its draft tokens from them.
     """
 
     def __init__(self, drafter: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor):
@@ -193,6 +231,7 @@ class DFlashDraftFn:
         self.arch = drafter.arch
         self.dtype = next(drafter.parameters()).dtype
         self.ctx: Optional[Tensor] = None  # [1, n, H]
+        self.logits: Optional[Tensor] = None  # [bs-1, V] of the last call
 
     def reset(self) -> None:
         self.ctx = None
@@ -218,6 +257,7 @@ class DFlashDraftFn:
                              layer_types=arch.layer_types, sliding_window=arch.sliding_window)
         h = self.drafter(block_embeds, self.ctx, q_pos, ctx_pos, attend)[0, 1:]  # [bs-1, H]
         logits = h.to(self.head.dtype) @ self.head.t()  # [bs-1, V]
+        self.logits = None if hasattr(self.drafter, "select") else logits
         if hasattr(self.drafter, "select"):  # DFlash 2: its selector walks the top-K from the verified token
             return self.drafter.select(h[None], logits[None], ids[0, :1])[0].tolist()
         return logits.argmax(-1).tolist()

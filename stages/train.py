@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from pipeline import store as st
-from pipeline.config import Config, dump_config
+from pipeline.config import Config, anchors_per_token, dump_config
 from pipeline.errors import UserError
 from pipeline.provenance import check_frozen_head, target_differences
 from pipeline.target import resolve_layer_ids
@@ -95,7 +95,8 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
     n_anchor = int(-(-t.num_anchors // a_mult) * a_mult)
     col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
     wait_log = str(Path(t.run_dir) / "logs" / "rank0.log") if growing and rank == 0 else None  # waits said there
-    train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log)
+    train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log,
+                            anchors_per_token=anchors_per_token(cfg))  # validation keeps the fixed rule: comparable
     sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs,
                                buffer=t.follow_buffer)
     # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock

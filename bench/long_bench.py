@@ -1,0 +1,95 @@
+"""Issue 19.6: long samples. Peak GPU memory and step time of one `dflash train` step at 2K/8K/16K tokens.
+
+The 27B-class drafter of bench/train_bench.py (its `build_case` / `train_step`: 5 layers, hidden 5120, vocab
+248,320, block 16, sliding window 2048, compiled flex attention as `dflash train` runs it, bf16 autocast,
+chunked loss, AdamW), one sequence per step, at each point S:A (S tokens per sample, A anchors). Each point
+gets a fresh drafter and optimizer and its own peak-memory window; the first step (compile) is reported apart.
+Prints one row per point and writes JSON with --out. A point that runs out of memory is reported as OOM and
+the next one still runs.
+
+    python bench/long_bench.py --out $OUT/long.json                      # 2048:512, 8192:512, 16384:512, 16384:2048
+    python bench/long_bench.py --points 16384:512 --steps 3
+    python bench/long_bench.py --tiny --device cpu --points 256:16,1024:16 --steps 1   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+from train_bench import TINY, build_case, sync, train_step
+
+POINTS = "2048:512,8192:512,16384:512,16384:2048"
+
+
+def run_point(S: int, A: int, a: argparse.Namespace, shape: dict) -> dict:
+    dev = torch.device(a.device)
+    gc.collect()  # the previous point's drafter, optimizer and compiled layers must not count in this peak
+    torch._dynamo.reset()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    c = build_case(a.arch, a.layers, a.vocab, S, A, a.chunk, dev, shape)
+    mode = "flex" if dev.type == "cuda" else "sdpa"
+    if mode == "flex":
+        c.drafter.compile_layers()  # what `dflash train` does
+    t0 = time.perf_counter()
+    loss = train_step(c, mode)
+    sync(dev)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        loss = train_step(c, mode)
+    sync(dev)
+    dt = (time.perf_counter() - t0) / a.steps
+    loss = float(loss)
+    if loss != loss:  # NaN: a broken mask (a fully masked row) or overflow at this length
+        raise RuntimeError(f"S={S}: the loss is NaN")
+    return {"S": S, "anchors": int(c.anchors.shape[1]), "Q": c.Q, "step_ms": dt * 1e3, "first_step_s": first,
+            "tokens_s": S / dt, "loss": loss,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+            "left_from_before_gib": base / 2**30}  # ~0: nothing of the previous point counts in the peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", default=POINTS, help="comma list of S:anchors (tokens per sample : anchors)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per point (after one compile step)")
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--chunk", type=int, default=4096, help="train.loss_chunk_rows")
+    ap.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help=f"a tiny drafter instead of the 27B one: {TINY}")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    shape = {}
+    if a.tiny:
+        shape = {k: v for k, v in TINY.items() if k not in ("seq", "anchors", "vocab", "layers")}
+        a.vocab, a.layers = TINY["vocab"], TINY["layers"]
+    points = [tuple(int(x) for x in p.split(":")) for p in a.points.split(",")]
+    rows = []
+    print(f"{a.arch}, {'tiny' if a.tiny else '27B-class'} drafter on {a.device}; one sample per step, block 16")
+    print(f"{'S':>7}{'anchors':>9}{'step ms':>10}{'tokens/s':>10}{'first step s':>14}{'peak GiB':>10}")
+    for S, A in points:
+        try:
+            r = run_point(S, A, a, shape)
+        except torch.OutOfMemoryError as e:
+            r = {"S": S, "anchors": A, "oom": str(e).splitlines()[0]}
+            print(f"{S:>7}{A:>9}  OOM: {r['oom']}", flush=True)
+        else:
+            peak = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+            print(f"{S:>7}{r['anchors']:>9}{r['step_ms']:>10.1f}{r['tokens_s']:>10.0f}{r['first_step_s']:>14.1f}"
+                  f"{peak:>10}", flush=True)
+        rows.append(r)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"arch": a.arch, "tiny": a.tiny, "device": a.device, "points": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
