@@ -31,7 +31,7 @@ import torch
 
 from pipeline import store as st
 from pipeline.config import Config, dump_config
-from pipeline.provenance import check_frozen_head, target_differences
+from pipeline.provenance import start_frozen_head_check, target_differences
 from pipeline.target import resolve_layer_ids
 
 
@@ -128,7 +128,8 @@ def _checkpoint_state(path: Path) -> dict:
 
 def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optional[dict], launcher: bool, rank: int,
                 world: int):
-    """(root attrs, reader, stream epochs): a finished store's reader, or a growing store once it is trainable."""
+    """(root attrs, reader, stream epochs, head check): a finished store's reader, or a growing store once it is
+    trainable; `head check()` waits for the frozen head's checksum (a background thread) and raises if it failed."""
     from data.follow import GrowingStore, min_start_samples, wait_for_store
 
     try:
@@ -157,14 +158,14 @@ def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Option
         head = st.frozen_head_path(store_path)
         if not st.exists(head):
             raise TrainError(f"{head} is missing: the store is incomplete; resume `dflash extract` to write it")
-        check_frozen_head(store_path)  # its checksum: a changed or damaged head stops here, not in training
-        return attrs, st.StoreReader(store_path), stream_epochs
-    check_frozen_head(store_path)  # written (checksum first) before any shard's first batch
+        head_check = start_frozen_head_check(store_path)  # a changed or damaged head stops before fit
+        return attrs, st.StoreReader(store_path), stream_epochs, head_check
+    head_check = start_frozen_head_check(store_path)  # written (checksum first) before any shard's first batch
     growing = GrowingStore(store_path, report=rank == 0)
     t = cfg.train
     saved_buffer = saved.get("buffer", t.follow_buffer)  # a resumed run draws as it did
     growing.wait_until_trainable(min_start_samples(world, t.batch_size, t.accumulate_grad_batches) + saved_buffer)
-    return attrs, growing, stream_epochs
+    return attrs, growing, stream_epochs, head_check
 
 
 def _world_changed(resume_state: Optional[dict], world: int) -> bool:
@@ -270,7 +271,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
 
         check_gpus_free(list(devs), need_gib=16)
     resume_state = _checkpoint_state(last) if resume else None
-    attrs, reader, stream_epochs = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
+    attrs, reader, stream_epochs, head_check = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
     layer_ids, head = check_store_matches(cfg, attrs), st.frozen_head_path(store_path)
     if use_gpu:
         _compile_cache(cfg, rebuild=rebuild_compile_cache and launcher, report=launcher)
@@ -330,6 +331,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "command.txt").write_text(command + "\n")
+    head_check()  # the frozen head's checksum, overlapped with the set-up above
     try:
         trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
     except (SystemExit, KeyboardInterrupt):  # Lightning turns SIGTERM and Ctrl-C into SystemExit
