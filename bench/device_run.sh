@@ -7,6 +7,7 @@
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
 #        needs fla-core + einops in .whl/: ../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2)
+#   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
@@ -89,6 +90,12 @@ for part in "$@"; do
                 # kernel cache, bare forward vs >= 9,000 tok/s, extraction / bare for int5 (goal >= 0.95), fp8, bf16
       rm -rf /tmp/kc /tmp/xb; python3 bench/extract_bench.py --arch qwen3_5 --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 \
         --encodings int5,fp8,bf16 --kernel-cache /tmp/kc --store-dir /tmp/xb --out "$OUT/extract35.json" 2>&1 | tail -16 ;;
+    extractgil)  # issue 22 item 4: where bf16 extraction's lost ~12% goes, hybrid shape, one GPU (~3 min): the writer
+                 # thread as shipped, a null writer (forward + capture + encode + copy, no store write) and the
+                 # writer thread with a 0.5 ms GIL switch interval; prints each one's "vs bare" ratio
+      python3 bench/extract_bench.py --arch qwen3_5 --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings bf16 \
+        --writers thread,null,switch --kernel-cache /tmp/kc --store-dir /tmp/xg --out "$OUT/extract_gil.json" 2>&1 | tail -10
+      python3 bench/gil_bench.py --tokens 4096 --seconds 4 --out "$OUT/gil.json" 2>&1 | tail -4 ;;
     load35)  # peak host memory per worker of loading a real-width hybrid checkpoint (8 layers, ~11 GB): dflash vs old
       python3 bench/load_bench.py --layers ${LOAD_LAYERS:-8} --dir /tmp/ckpt35 --out "$OUT/load35.json" 2>&1 | tail -6
       rm -rf /tmp/ckpt35 ;;
