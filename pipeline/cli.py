@@ -50,6 +50,13 @@ def _command_line() -> str:
     return shlex.join(["dflash", *sys.argv[1:]])
 
 
+def _non_finite_loss(e: BaseException) -> bool:
+    """Training's NonFiniteLoss, without importing the training module (and Lightning, ~5 s) into every command:
+    an exception of that class can only come from a process that imported it."""
+    module = sys.modules.get("stages.train_module")
+    return module is not None and isinstance(e, module.NonFiniteLoss)
+
+
 def _run(fn, *args, **kwargs) -> None:
     """Call a stage; turn the errors a user can fix into one message and exit code 2."""
     from pipeline.store import StoreError
@@ -87,15 +94,13 @@ def _run(fn, *args, **kwargs) -> None:
     except ImportError:  # pragma: no cover
         pass
     try:
-        from stages.train_module import NonFiniteLoss
-    except ImportError:  # pragma: no cover
-        NonFiniteLoss = ()  # noqa: N806
-    try:
         code = fn(*args, **kwargs)
     except user_errors as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except NonFiniteLoss as e:
+    except Exception as e:
+        if not _non_finite_loss(e):
+            raise
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     sys.exit(code or 0)

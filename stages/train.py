@@ -220,14 +220,17 @@ def _streaming_checkpoint_io():
     return StreamingCheckpointIO()
 
 
+def ddp_strategy(cfg: Config, use_gpu: bool):
+    """Lightning's DDP (NCCL on GPUs, gloo on CPU) with the train.ddp_* options passed to DistributedDataParallel."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    t = cfg.train
+    return DDPStrategy(process_group_backend="nccl" if use_gpu else "gloo", bucket_cap_mb=t.ddp_bucket_cap_mb,
+                       gradient_as_bucket_view=t.ddp_gradient_as_bucket_view, static_graph=t.ddp_static_graph)
+
+
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
               command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False) -> int:
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
-                                 ValidateAtEnd, log_process_output, resumable_csv_logger, save_final)
-    from stages.train_module import DrafterTask
-
     store_path = store or cfg.store.path
     follow = follow or os.environ.get("DFLASH_TRAIN_FOLLOW") == "1"  # set for its ranks by a following launcher
     run_dir = Path(cfg.train.run_dir)
@@ -255,11 +258,6 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
 
             spare = usable_cores() // world - (1 if cfg.train.num_workers > 0 else 0)
             torch.set_num_threads(max(1, spare))
-    strategy = "ddp" if world > 1 else "auto"
-    if world > 1 and not use_gpu:
-        from lightning.pytorch.strategies import DDPStrategy
-
-        strategy = DDPStrategy(process_group_backend="gloo")
     launcher = "LOCAL_RANK" not in os.environ  # Lightning sets it in the per-rank processes it starts
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
     if not launcher:
@@ -272,6 +270,14 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         check_gpus_free(list(devs), need_gib=16)
     resume_state = _checkpoint_state(last) if resume else None
     attrs, reader, stream_epochs, head_check = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
+    # Lightning and the training module (~5 s of imports) load while the head's checksum runs in its thread
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
+                                 ValidateAtEnd, log_process_output, resumable_csv_logger, save_final)
+    from stages.train_module import DrafterTask
+
+    strategy = ddp_strategy(cfg, use_gpu) if world > 1 else "auto"
     layer_ids, head = check_store_matches(cfg, attrs), st.frozen_head_path(store_path)
     if use_gpu:
         _compile_cache(cfg, rebuild=rebuild_compile_cache and launcher, report=launcher)
