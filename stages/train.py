@@ -161,6 +161,7 @@ def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Option
         head_check = start_frozen_head_check(store_path)  # a changed or damaged head stops before fit
         return attrs, st.StoreReader(store_path), stream_epochs, head_check
     head_check = start_frozen_head_check(store_path)  # written (checksum first) before any shard's first batch
+    head_check()  # at once: a following run may wait long for samples, and a bad head must not wait with it
     growing = GrowingStore(store_path, report=rank == 0)
     t = cfg.train
     saved_buffer = saved.get("buffer", t.follow_buffer)  # a resumed run draws as it did
