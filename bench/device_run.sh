@@ -8,6 +8,8 @@
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
 #        needs fla-core + einops in .whl/: ../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2)
 #   bash bench/device_run.sh long                                            (issue 19.6: 2K-16K samples, ~4 min)
+#   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
+#   bash bench/device_run.sh startup e2emfu ddpopts                          (issue 22, in this order: 2 GPUs)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
 #   FT_SEEDS=8 FT_DELAY=3 bash bench/device_run.sh followtau                 (issue 17's tau pairs on host CPUs, ~8 min)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
@@ -30,6 +32,23 @@ for part in "$@"; do
     ddp)  # one GPU (cold cache) against two DDP ranks over NCCL (twice: is the cache warm for DDP?); 2 GPUs
       python3 bench/train_e2e.py --root /tmp/e2e --samples ${DDP_SAMPLES:-64} --steps ${DDP_STEPS:-20} --gpus ${DDP_GPUS:-0 0,1 0,1} \
         --out "$OUT/train_e2e_ddp.json" > "$OUT/train_e2e_ddp.log" 2>&1; tail -8 "$OUT/train_e2e_ddp.log" ;;
+    e2emfu)  # issue 22 items 1+3 (1 GPU, ~4 min): `dflash train` at the 27B shape, accumulation 4: a 1-step run on a
+             # cold compile cache, then 53 steps warm; prints the warm first batch (goal < 15 s) and the steady
+             # end-to-end MFU over the last 50 steps (goal >= 68%)
+      timeout ${E2E_LIMIT:-290} python3 bench/train_e2e.py --root /tmp/e2e --samples ${E2E_SAMPLES:-64} --cold-steps 1 \
+        --steps ${E2E_STEPS:-53} --gpus 0 0 --out "$OUT/e2e_mfu.json" > "$OUT/e2e_mfu.log" 2>&1
+      grep -E "first batch done|Error|error" "$OUT/e2e_mfu.log" | head -6; tail -6 "$OUT/e2e_mfu.log" ;;
+    ddpopts)  # issue 22 item 2 (2 GPUs, ~4 min, right after e2emfu in the same call: its store, cache and 1-GPU rate):
+              # 30 steps on GPUs 0,1 with torch's DDP defaults, then with gradient_as_bucket_view + 100 MB buckets;
+              # prints steps/s and scaling vs e2emfu's 1-GPU samples/s (goal >= 95%)
+      timeout ${E2E_LIMIT:-290} python3 bench/train_e2e.py --root /tmp/e2e --samples ${E2E_SAMPLES:-64} --reuse \
+        --reference "$OUT/e2e_mfu.json" --steps ${DDPOPT_STEPS:-30} --gpus 0,1 \
+        "0,1@train.ddp_gradient_as_bucket_view=true@train.ddp_bucket_cap_mb=100" \
+        --out "$OUT/ddpopts.json" > "$OUT/ddpopts.log" 2>&1
+      grep -E "first batch done|Error|error" "$OUT/ddpopts.log" | head -6; tail -6 "$OUT/ddpopts.log" ;;
+    startup)  # issue 22 item 1 (1 GPU, ~1.5 min): the launch path's imports with and without cProfile, and the time
+              # torch's custom-op registration (inspect.getframeinfo per op) really takes in each
+      python3 bench/startup_bench.py --out "$OUT/startup.json" 2>&1 | tail -8 ;;
     extract2)  # extraction scaling: one process alone on GPU 0, then one per GPU at the same time (2 GPUs)
       x="bench/extract_bench.py --arch qwen3 --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings int5"
       python3 $x --store-dir /tmp/xs --out "$OUT/extract_solo.json" > "$OUT/extract_solo.log" 2>&1; rm -rf /tmp/xs
@@ -100,6 +119,12 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
                 # kernel cache, bare forward vs >= 9,000 tok/s, extraction / bare for int5 (goal >= 0.95), fp8, bf16
       rm -rf /tmp/kc /tmp/xb; python3 bench/extract_bench.py --arch qwen3_5 --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 \
         --encodings int5,fp8,bf16 --kernel-cache /tmp/kc --store-dir /tmp/xb --out "$OUT/extract35.json" 2>&1 | tail -16 ;;
+    extractgil)  # issue 22 item 4: where bf16 extraction's lost ~12% goes, hybrid shape, one GPU (~3 min): the writer
+                 # thread as shipped, a null writer (forward + capture + encode + copy, no store write) and the
+                 # writer thread with a 0.5 ms GIL switch interval; prints each one's "vs bare" ratio
+      python3 bench/extract_bench.py --arch qwen3_5 --tokens ${EXTRACT_TOKENS:-120000} --clevel 1 --encodings bf16 \
+        --writers thread,null,switch --kernel-cache /tmp/kc --store-dir /tmp/xg --out "$OUT/extract_gil.json" 2>&1 | tail -10
+      python3 bench/gil_bench.py --tokens 4096 --seconds 4 --out "$OUT/gil.json" 2>&1 | tail -4 ;;
     load35)  # peak host memory per worker of loading a real-width hybrid checkpoint (8 layers, ~11 GB): dflash vs old
       python3 bench/load_bench.py --layers ${LOAD_LAYERS:-8} --dir /tmp/ckpt35 --out "$OUT/load35.json" 2>&1 | tail -6
       rm -rf /tmp/ckpt35 ;;

@@ -114,6 +114,11 @@ def main(argv=None) -> None:
     ap.add_argument("--store-dir", default=None)
     ap.add_argument("--clevel", type=int, default=3)
     ap.add_argument("--kernel-cache", default=None, help="Triton cache dir (default: dflash's, kept across runs)")
+    ap.add_argument("--writers", default="thread",
+                    help="comma list of writer variants run for each encoding (issue 22 item 4): thread (dflash's "
+                         "writer thread), null (everything but the store write: forward, capture, encode, copy), "
+                         "switch (the writer thread with sys.setswitchinterval(--switch-interval))")
+    ap.add_argument("--switch-interval", type=float, default=0.0005)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -188,7 +193,9 @@ def main(argv=None) -> None:
                "build_s": build_s, "first_pass_s": first_pass, "tokens": n_tok, "padded_tokens": padded,
                "batches": len(batches), "bare_s_before": bare_before, "encodings": {}}
     root = a.store_dir or tempfile.mkdtemp(prefix="dflash-bench-")
-    for enc in a.encodings.split(","):
+    runs = [(enc, w) for enc in a.encodings.split(",") for w in a.writers.split(",")]
+    for enc, variant in runs:
+        key = enc if variant == "thread" else f"{enc}/{variant}"
         path = os.path.join(root, f"{enc}.zarr")
         shutil.rmtree(path, ignore_errors=True)
         prov = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "bench", "hidden_size": hidden,
@@ -199,12 +206,13 @@ def main(argv=None) -> None:
         writer = st.ShardWriter(path, 0, prov)
         busy = [0.0]
 
-        def on_batch(members, parts, bad, writer=writer):
+        def on_batch(members, parts, bad, writer=writer, variant=variant):
             t = time.perf_counter()
             T = parts["features"].shape[0]
-            writer.write_batch(np.arange(len(members), dtype=np.uint64), np.zeros(len(members), np.uint8),
+            if variant != "null":
+                writer.write_batch(np.arange(len(members), dtype=np.uint64), np.zeros(len(members), np.uint8),
                                np.array([0] * (len(members) - 1) + [T], np.int32), np.zeros(T, np.int32),
-                               np.ones(T, np.uint8), parts)
+                                   np.ones(T, np.uint8), parts)
             busy[0] += time.perf_counter() - t
 
         capture = FeatureCapture(model, layer_ids)
@@ -214,18 +222,25 @@ def main(argv=None) -> None:
             yield from batches
             drained[0] = time.perf_counter()
 
+        interval = sys.getswitchinterval()
+        if variant == "switch":
+            sys.setswitchinterval(a.switch_interval)
         sync()
         t0 = time.perf_counter()
-        pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
-        sync()
+        try:
+            pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
+            sync()
+        finally:
+            sys.setswitchinterval(interval)
         ext_s = time.perf_counter() - t0
         fwd_s = drained[0] - t0  # excludes only the writer's drain of the last batches (once per shard)
         capture.remove()
         disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
         bpt = disk / n_tok
-        results["encodings"][enc] = {"tok_s": n_tok / ext_s, "bytes_per_token": bpt, "drain_s": ext_s - fwd_s,
+        results["encodings"][key] = {"variant": variant, "switch_interval": a.switch_interval if variant == "switch" else interval,
+                                     "tok_s": n_tok / ext_s, "bytes_per_token": bpt, "drain_s": ext_s - fwd_s,
                                      "writer_busy_s": busy[0], "wall_s": ext_s,
-                                     "write_MB_s": n_tok * len(layer_ids) * hidden * 2 / busy[0] / 1e6}  # bf16-equivalent MB/s
+                                     "write_MB_s": n_tok * len(layer_ids) * hidden * 2 / max(busy[0], 1e-9) / 1e6}  # bf16-equivalent MB/s
         shutil.rmtree(path, ignore_errors=True)
     bare_after = time_bare()  # the bare forward brackets the extractions: drift of the GPU's clock shows here
     bare_s = (bare_before + bare_after) / 2
@@ -240,9 +255,9 @@ def main(argv=None) -> None:
     print(f"\n{a.arch} ({size}) {n_layers}-layer target built to layer {max(layer_ids)}, hidden {hidden}, {n_tok} tokens "
           f"in {len(batches)} batches ({100 * (1 - n_tok / padded):.1f}% padding), layers {layer_ids}; first pass "
           f"{first_pass:.1f}s (cold kernel cache: autotuning + compiles), model built in {build_s:.1f}s")
-    print(f"{'run':<16}{'tokens/s':>10}{'vs bare':>9}{'B/token':>10}{'before drain':>14}   (bare: linear TFLOP/s)")
+    print(f"{'run':<22}{'tokens/s':>10}{'vs bare':>9}{'B/token':>10}{'before drain':>14}   (bare: linear TFLOP/s)")
     for name, tps, ratio, bpt, x in rows:
-        print(f"{name:<16}{tps:>10.0f}{ratio:>9.3f}{(f'{bpt:.0f}' if bpt else '-'):>10}"
+        print(f"{name:<22}{tps:>10.0f}{ratio:>9.3f}{(f'{bpt:.0f}' if bpt else '-'):>10}"
               f"{(f'{x:.3f}' if bpt else f'({x:.0f} TFLOP/s)'):>14}")
     default = next((e for e in ("int5",) if e in results["encodings"]), None)
     goals = {"bare_tok_s_goal": 9000, "bare_meets_goal": n_tok / bare_s >= 9000}

@@ -9,7 +9,14 @@ batch (its compile). Every stderr line is timestamped on arrival, so the table g
 the first finished batch, the steady optimizer-step rate after it, and the end of the run (from the last
 step to the final checkpoint in place, then to the process's exit).
 
+End-to-end MFU (issue 22 item 3): the steady rate (optimizer, loader, logging included; from the 3rd logged step
+to the last) x the useful FLOPs of one sample (bench/train_bench.py's count for this config's drafter, 3,072-token
+samples with 200 unlabelled tokens first, train.num_anchors anchors) / --peak-tflops per GPU. DDP scaling (item 2):
+a multi-GPU run's samples/s / (GPUs x the last 1-GPU run's samples/s). An entry `0,1@train.ddp_static_graph=true`
+adds `--set` options to that run (`@` between them): how the DDP options are compared.
+
     python bench/train_e2e.py --root /tmp/e2e --steps 12 --gpus 0 0 0,1 --out $OUT/train_e2e.json
+    python bench/train_e2e.py --root /tmp/e2e --cold-steps 3 --steps 55 --gpus 0 0 0,1 --out $OUT/e2e_mfu.json
 """
 
 from __future__ import annotations
@@ -65,12 +72,37 @@ def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int],
     write_frozen_head(str(path), save(head, metadata={"tie_word_embeddings": "false"}))  # with its checksum
 
 
-def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str) -> dict:
+def flops_per_sample(config: str, layers: list[int], vocab: int, seq: int) -> float:
+    """Useful FLOPs of one training sample of this store (train_bench's count for the config's drafter)."""
+    from bench.train_bench import useful_flops
+    from pipeline.config import load_config
+    from pipeline.dflash2_train import build_drafter
+    from pipeline.masks import build_blocks, dense_mask, sample_anchors
+
+    cfg = load_config(config)
+    d = cfg.drafter
+    with torch.device("meta"):  # only the shape is needed
+        arch = build_drafter(cfg, layers, vocab).arch
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(1, seq, dtype=torch.bool)
+    mask[:, :200] = False  # as build_store writes
+    anchors = sample_anchors(mask[0], cfg.train.num_anchors, g)[None]
+    tokens = torch.randint(0, vocab, (1, seq), generator=g)
+    blocks = build_blocks(tokens, mask, anchors, d.block_size, d.mask_token_id % vocab, 7.0)
+    vis = {t: int(dense_mask(anchors, d.block_size, seq, window=d.sliding_window if t == "sliding_attention" else None).sum())
+           for t in set(d.layer_types)}
+    return useful_flops(arch, seq, anchors.shape[1] * d.block_size, int((blocks.labels >= 0).sum()), vocab, vis)
+
+
+def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str,
+        extra: tuple = ()) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
-    sets = ["target.name=bench", f"target.layer_ids={layers}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.epochs=1000",
+    sets = [*extra, "target.name=bench", f"target.layer_ids={layers}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.epochs=1000",
             "train.log_every=1", f"train.lr={lr}", "train.checkpoint_every=100000", "train.val_every=100000"]
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", config,
-           "--store", str(store), "--gpus", gpus, "--no-export"] + [a for s in sets for a in ("--set", s)]
+           "--store", str(store), "--no-export"]
+    # on a machine without CUDA (a smoke run of this script) the same number of CPU ranks over gloo
+    cmd += ["--gpus", gpus] if torch.cuda.is_available() else ["--devices", str(len(gpus.split(",")))] + [a for s in sets for a in ("--set", s)]
     t0 = time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                          env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache)})
@@ -107,20 +139,32 @@ def main() -> None:
     ap.add_argument("--layer-ids", default="1,16,31,46,61")
     ap.add_argument("--gpus", nargs="+", default=["0", "0"],
                     help="one run per entry (first with a cold compile cache, then warm, each a new lr): 0 0 0,1")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="a --set for every run (KEY=VALUE)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep ROOT's store and compile cache from an earlier call (the first run is then warm)")
+    ap.add_argument("--reference", default=None,
+                    help="an earlier call's --out JSON whose 1-GPU run is the scaling reference (when this call has none)")
+    ap.add_argument("--cold-steps", type=int, default=None, help="optimizer steps of the first (cold) run; default --steps")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak of the GPU (train_bench)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     root = Path(a.root)
     t = time.perf_counter()
     layers = [int(x) for x in a.layer_ids.split(",")]
-    build_store(root / "store.zarr", a.samples, a.seq, a.encoding, layers, a.hidden, a.vocab)
-    print(f"store: {a.samples} x {a.seq} tokens, {a.encoding}, built in {time.perf_counter() - t:.0f} s", flush=True)
     cache = root / "compile-cache"
-    shutil.rmtree(cache, ignore_errors=True)
+    if not (a.reuse and (root / "store.zarr").is_dir()):
+        build_store(root / "store.zarr", a.samples, a.seq, a.encoding, layers, a.hidden, a.vocab)
+        print(f"store: {a.samples} x {a.seq} tokens, {a.encoding}, built in {time.perf_counter() - t:.0f} s", flush=True)
+    if not a.reuse:
+        shutil.rmtree(cache, ignore_errors=True)
     res = {}
-    for i, gpus in enumerate(a.gpus):
+    for i, entry in enumerate(a.gpus):
+        gpus, *extra = entry.split("@")
         n = len(gpus.split(","))
-        name = f"{'cold' if i == 0 else 'warm'} {n} GPU{'s' if n > 1 else ''} (run {i + 1}, lr {LRS[i % 2]})"
-        res[name] = run(root / "store.zarr", root / f"run-{i}", cache, a.steps, LRS[i % 2], a.config, layers, gpus)
+        name = f"{'cold' if i == 0 and not a.reuse else 'warm'} {n} GPU{'s' if n > 1 else ''} (run {i + 1}, lr {LRS[i % 2]})"
+        name += "".join(f" {x.removeprefix('train.')}" for x in extra)
+        steps = a.cold_steps if i == 0 and a.cold_steps else a.steps
+        res[name] = run(root / "store.zarr", root / f"run-{i}", cache, steps, LRS[i % 2], a.config, layers, gpus, (*a.sets, *extra))
         if a.out:  # after each run: a time limit that stops the second one keeps the first
             Path(a.out).write_text(json.dumps(res, indent=1))
     from pipeline.config import load_config
@@ -129,12 +173,31 @@ def main() -> None:
     accum = t.accumulate_grad_batches * t.batch_size  # samples per optimizer step and GPU
     print(f"\n`dflash train` at the 27B shape, {a.encoding} store, {a.seq}-token samples, {accum} samples per optimizer step "
           "and GPU; first batch: the slowest rank; end: from the last step to the final checkpoint in place; exit: from there to the process's exit")
-    print(f"{'run':<34}{'rc':>3}{'first batch s':>15}{'steps/s':>9}{'samples/s':>11}{'end s':>7}{'exit s':>8}{'wall s':>8}")
-    nan = float("nan")
+    flops = flops_per_sample(a.config, layers, a.vocab, a.seq)
+    w = max(34, *(len(k) + 1 for k in res))
+    print(f"{'run':<{w}}{'rc':>3}{'first batch s':>15}{'steps/s':>9}{'samples/s':>11}{'MFU':>7}{'scaling':>9}{'end s':>7}"
+          f"{'exit s':>8}{'wall s':>8}")
+    nan, one_gpu = float("nan"), None
+    if a.reference:  # the 1-GPU samples/s of an earlier call (its last 1-GPU run)
+        ref = json.loads(Path(a.reference).read_text())
+        one_gpu = next((r["samples_s"] for r in reversed([v for v in ref.values() if isinstance(v, dict)])
+                        if len(r.get("gpus", "0,1").split(",")) == 1 and r.get("samples_s") == r.get("samples_s")), None)
     for k, r in res.items():
         sps, world = r["steady_steps_s"] or nan, len(r["gpus"].split(","))
         first, end, ex = (nan if r[x] is None else r[x] for x in ("first_batch_s", "final_checkpoint_s", "exit_after_final_checkpoint_s"))
-        print(f"{k:<34}{r['rc']:>3}{first:>15.1f}{sps:>9.3f}{sps * accum * world:>11.2f}{end:>7.1f}{ex:>8.1f}{r['wall_s']:>8.0f}")
+        per_gpu = sps * accum  # samples/s of one GPU
+        if world == 1:
+            one_gpu = per_gpu
+        r.update(samples_s=per_gpu * world, mfu=per_gpu * flops / (a.peak_tflops * 1e12), measured_steps=max(0, r["steps"] - 3),
+                 scaling=per_gpu / one_gpu if world > 1 and one_gpu else None)
+        scaling = f"{100 * r['scaling']:.1f}%" if r["scaling"] else "-"
+        print(f"{k:<{w}}{r['rc']:>3}{first:>15.1f}{sps:>9.3f}{per_gpu * world:>11.2f}{100 * r['mfu']:>6.1f}%{scaling:>9}"
+              f"{end:>7.1f}{ex:>8.1f}{r['wall_s']:>8.0f}")
+    print(f"MFU: {flops / 1e12:.2f} useful TFLOP per sample, peak {a.peak_tflops:.0f} TFLOP/s per GPU, steady rate over the "
+          "steps after the 3rd logged one (goal >= 68% over >= 50 steps); scaling: per-GPU samples/s vs the last 1-GPU "
+          "run (goal >= 95%)")
+    if a.out:
+        Path(a.out).write_text(json.dumps({**res, "useful_tflop_per_sample": flops / 1e12}, indent=1))
 
 
 if __name__ == "__main__":

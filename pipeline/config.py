@@ -127,6 +127,10 @@ class TrainConfig:
     seed: int = 0
     export_checkpoint: str = "best"  # which checkpoint the end of training exports: best (by val tau) | last
     follow_buffer: int = 1024  # a following run's first epoch draws each batch at random from the next N committed samples
+    # DistributedDataParallel's own options (torch's defaults; issue 22 measures them in bench/device_run.sh ddpopts)
+    ddp_bucket_cap_mb: float = 25.0  # gradient bucket size of the all-reduce
+    ddp_gradient_as_bucket_view: bool = False  # gradients are views into the buckets: no copy, less memory
+    ddp_static_graph: bool = False  # the same parameters get gradients every step (lets DDP skip its per-step search)
 
 
 @dataclass
@@ -302,6 +306,7 @@ def _validate(cfg: Config) -> None:
         ("data", "max_length"), ("store", "chunk_tokens"), ("extract", "shards"), ("extract", "token_budget"),
         ("extract", "max_batch_size"), ("train", "epochs"), ("train", "num_anchors"), ("train", "batch_size"),
         ("train", "loss_chunk_rows"), ("train", "checkpoint_every"), ("train", "val_every"),
+        ("train", "ddp_bucket_cap_mb"),
     ]
     for section, key in positive:
         if getattr(getattr(cfg, section), key) <= 0:

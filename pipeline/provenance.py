@@ -5,7 +5,8 @@ Contract:
   `frozen_head.safetensors.sha256` holding {"sha256", "bytes"} of the whole file: sidecar first, then the
   head, each replaced atomically, so a head written by this code always has its checksum beside it.
   `frozen_head_problem` reports a missing, changed (checksum) or unreadable head; `check_frozen_head` raises
-  it as StoreDataError (training calls it at start). Heads of stores from before checksums (no
+  it as StoreDataError (training calls it at start, in a background thread: `start_frozen_head_check`, whose
+  `wait()` raises the same error before `fit`). Heads of stores from before checksums (no
   "dflash_integrity" root attribute) and without a sidecar are accepted, unchecked.
 - `target_differences` compares a target checkpoint with the one a store was extracted from by fingerprint
   (pipeline.target.target_fingerprint, every key it returns), never by name. Training needs no target, so a
@@ -114,6 +115,34 @@ def check_frozen_head(store_path: str) -> None:
     problem = frozen_head_problem(store_path)
     if problem:
         raise st.StoreDataError(f"{problem}; `dflash verify {store_path}` checks the whole store")
+
+
+def start_frozen_head_check(store_path: str):
+    """`check_frozen_head` in a background thread; returns `wait()`, which raises what the check raised.
+
+    At the 27B shape the head is 5 GB: its sha256 took ~7 s on the development CPU and a few seconds on the
+    H200 host, on every rank. hashlib and file reads release the GIL, so the check overlaps the rest of the
+    set-up (model build, loaders, Trainer); training calls `wait()` before `fit`, so a changed or damaged
+    head still stops the run before its first step."""
+    import threading
+
+    failure: list[BaseException] = []
+
+    def check() -> None:
+        try:
+            check_frozen_head(store_path)
+        except BaseException as e:  # noqa: BLE001 (handed to wait(), re-raised in the caller's thread)
+            failure.append(e)
+
+    thread = threading.Thread(target=check, name="frozen-head-sha256", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    return wait
 
 
 def target_differences(target_path: str, stored_target: dict, out=None) -> list[str]:

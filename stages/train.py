@@ -36,7 +36,7 @@ import torch
 from pipeline import store as st
 from pipeline.config import Config, anchors_per_token, dump_config
 from pipeline.errors import UserError
-from pipeline.provenance import check_frozen_head, target_differences
+from pipeline.provenance import start_frozen_head_check, target_differences
 from pipeline.target import resolve_layer_ids
 
 
@@ -134,7 +134,8 @@ def _checkpoint_state(path: Path) -> dict:
 
 def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optional[dict], launcher: bool, rank: int,
                 world: int):
-    """(root attrs, reader, stream epochs): a finished store's reader, or a growing store once it is trainable."""
+    """(root attrs, reader, stream epochs, head check): a finished store's reader, or a growing store once it is
+    trainable; `head check()` waits for the frozen head's checksum (a background thread) and raises if it failed."""
     from data.follow import GrowingStore, min_start_samples, wait_for_store
 
     try:
@@ -163,14 +164,15 @@ def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Option
         head = st.frozen_head_path(store_path)
         if not st.exists(head):
             raise TrainError(f"{head} is missing: the store is incomplete; resume `dflash extract` to write it")
-        check_frozen_head(store_path)  # its checksum: a changed or damaged head stops here, not in training
-        return attrs, st.StoreReader(store_path), stream_epochs
-    check_frozen_head(store_path)  # written (checksum first) before any shard's first batch
+        head_check = start_frozen_head_check(store_path)  # a changed or damaged head stops before fit
+        return attrs, st.StoreReader(store_path), stream_epochs, head_check
+    head_check = start_frozen_head_check(store_path)  # written (checksum first) before any shard's first batch
+    head_check()  # at once: a following run may wait long for samples, and a bad head must not wait with it
     growing = GrowingStore(store_path, report=rank == 0)
     t = cfg.train
     saved_buffer = saved.get("buffer", t.follow_buffer)  # a resumed run draws as it did
     growing.wait_until_trainable(min_start_samples(world, t.batch_size, t.accumulate_grad_batches) + saved_buffer)
-    return attrs, growing, stream_epochs
+    return attrs, growing, stream_epochs, head_check
 
 
 def _world_changed(resume_state: Optional[dict], world: int) -> bool:
@@ -243,17 +245,18 @@ def resume_command(command: str) -> str:
     return shlex.join(out if "--resume" in out else out + ["--resume"])
 
 
+def ddp_strategy(cfg: Config, use_gpu: bool):
+    """Lightning's DDP (NCCL on GPUs, gloo on CPU) with the train.ddp_* options passed to DistributedDataParallel."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    t = cfg.train
+    return DDPStrategy(process_group_backend="nccl" if use_gpu else "gloo", bucket_cap_mb=t.ddp_bucket_cap_mb,
+                       gradient_as_bucket_view=t.ddp_gradient_as_bucket_view, static_graph=t.ddp_static_graph)
+
+
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
               command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False,
               init_from: Optional[str] = None) -> int:
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from stages.best_checkpoint import BestCheckpoint
-    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
-                                 ValidateAtEnd, resumable_csv_logger, save_final)
-    from stages.train_module import DrafterTask
-
     store_path = store or cfg.store.path
     follow = follow or os.environ.get("DFLASH_TRAIN_FOLLOW") == "1"  # set for its ranks by a following launcher
     run_dir = Path(cfg.train.run_dir)
@@ -286,11 +289,6 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
 
             spare = usable_cores() // world - (1 if cfg.train.num_workers > 0 else 0)
             torch.set_num_threads(max(1, spare))
-    strategy = "ddp" if world > 1 else "auto"
-    if world > 1 and not use_gpu:
-        from lightning.pytorch.strategies import DDPStrategy
-
-        strategy = DDPStrategy(process_group_backend="gloo")
     launcher = "LOCAL_RANK" not in os.environ  # Lightning sets it in the per-rank processes it starts
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
     if not launcher:
@@ -302,7 +300,17 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
 
         check_gpus_free(list(devs), need_gib=16)
     resume_state = _checkpoint_state(last) if resume else None
-    attrs, reader, stream_epochs = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
+    attrs, reader, stream_epochs, head_check = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
+    # Lightning and the training module (~5 s of imports) load while the head's checksum runs in its thread
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stages.best_checkpoint import BestCheckpoint
+    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
+                                 ValidateAtEnd, resumable_csv_logger, save_final)
+    from stages.train_module import DrafterTask
+
+    strategy = ddp_strategy(cfg, use_gpu) if world > 1 else "auto"
     layer_ids, head = list(attrs["layer_ids"]), st.frozen_head_path(store_path)  # matched by _open_store
     task_cfg = cfg
     if cfg.drafter.init_from and resume:  # a resumed run's weights come from its checkpoint
@@ -374,6 +382,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "command.txt").write_text(command + "\n")
+    head_check()  # the frozen head's checksum, overlapped with the set-up above
     try:
         trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
     except (SystemExit, KeyboardInterrupt):  # Lightning turns SIGTERM and Ctrl-C into SystemExit

@@ -86,3 +86,18 @@ def test_gamma_follows_the_block_size_unless_set():
     assert load_config(None, ["drafter.block_size=16"]).train.gamma == 7.0
     assert load_config(None, ["drafter.block_size=10"]).train.gamma == 5.0
     assert load_config(None, ["drafter.block_size=16", "train.gamma=3.5"]).train.gamma == 3.5
+
+
+def test_ddp_options_are_validated_and_reach_distributed_data_parallel(tmp_path):
+    from stages.train import ddp_strategy
+
+    p = _write(tmp_path, "train: {ddp_bucket_cap_mb: 200, ddp_gradient_as_bucket_view: true, ddp_static_graph: true}\n")
+    s = ddp_strategy(load_config(p), use_gpu=False)
+    assert s._ddp_kwargs == {"bucket_cap_mb": 200.0, "gradient_as_bucket_view": True, "static_graph": True}
+    assert s.process_group_backend == "gloo"
+    assert ddp_strategy(load_config(None), use_gpu=False)._ddp_kwargs == {  # torch's own defaults
+        "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False, "static_graph": False}
+    with pytest.raises(ConfigError, match="ddp_bucket_cap_mb must be positive"):
+        load_config(p, ["train.ddp_bucket_cap_mb=0"])
+    with pytest.raises(ConfigError, match="ddp_static_graph"):
+        load_config(p, ["train.ddp_static_graph=sometimes"])

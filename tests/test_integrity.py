@@ -24,7 +24,7 @@ import torch
 from data.store_dataset import StoreDataset, worker_init
 from pipeline import store as st
 from pipeline.encoding import encode
-from pipeline.provenance import check_frozen_head, target_differences, write_frozen_head
+from pipeline.provenance import check_frozen_head, start_frozen_head_check, target_differences, write_frozen_head
 from pipeline.store_lock import ShardLock, ShardLockedError, lock_path, machine_id
 from stages.store_tools import verify_store
 
@@ -203,6 +203,21 @@ def test_frozen_head_checksum_catches_a_flipped_byte_and_a_nan(copy):
     head.write_bytes(good)
     with pytest.raises(st.StoreDataError, match="sha256 is missing"):
         check_frozen_head(copy)
+
+
+def test_the_background_head_check_raises_the_same_error_in_the_caller(copy):
+    """Training checks the head's checksum in a thread (overlapped with its set-up); wait() re-raises."""
+    start_frozen_head_check(copy)()  # intact: returns
+    head = Path(st.frozen_head_path(copy))
+    data = bytearray(head.read_bytes())
+    data[len(data) // 3] ^= 0x04
+    head.write_bytes(bytes(data))
+    wait = start_frozen_head_check(copy)
+    with pytest.raises(st.StoreDataError, match="does not match its recorded checksum"):
+        wait()
+    Path(str(head) + ".sha256").unlink()
+    with pytest.raises(st.StoreDataError, match="sha256 is missing"):
+        start_frozen_head_check(copy)()
 
 
 def test_a_store_from_before_the_checksums_stays_readable(copy):

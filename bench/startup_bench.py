@@ -1,0 +1,76 @@
+"""Where `dflash train`'s start-up goes before the first batch (issue 22 item 1), without a GPU step.
+
+Each measurement runs in a fresh interpreter:
+1. `imports`: the launch path's imports (pipeline.cli, stages.train, stages.train_module: torch, Lightning,
+   torchmetrics, torch._dynamo, ...), wall seconds, with and without cProfile. Inside both, the seconds spent in
+   torch's custom-op registration source lookup (`torch._library.utils.get_source`: `inspect.getframeinfo`
+   for every custom op registered at import, which reads and scans source files) and how many calls: cProfile
+   charges its per-call overhead to each of the many small Python calls under it, so the same imports look
+   several times slower there. The no-profiler figure is the real cost.
+2. `sha256`: hashlib's MB/s on this host (the frozen head's check: 5 GB at the 27B shape, once per rank; it
+   runs in a background thread beside the set-up since issue 22).
+
+    python bench/startup_bench.py --out /tmp/startup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROBE = r"""
+import sys, time, json
+import torch._library.utils as u
+orig, tot = u.get_source, [0.0, 0]
+def timed(stacklevel):
+    t = time.perf_counter(); r = orig(stacklevel + 1); tot[0] += time.perf_counter() - t; tot[1] += 1; return r
+u.get_source = timed
+t0 = time.perf_counter()
+import pipeline.cli, stages.train, stages.train_module  # the launch path's imports
+print(json.dumps({"imports_s": time.perf_counter() - t0, "get_source_s": tot[0], "get_source_calls": tot[1],
+                  "modules": len(sys.modules)}))
+"""
+
+
+def probe(profiled: bool) -> dict:
+    """The launch path's imports in a fresh interpreter (after `import torch`, whose own time is not in it)."""
+    code = ("import cProfile; cProfile.run(compile(%r, 'probe', 'exec'), '/dev/null')" % PROBE) if profiled else PROBE
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r["process_s"] = time.perf_counter() - t0
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sha-mb", type=int, default=1024, help="MB hashed for the sha256 rate")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    res = {"plain": probe(False), "cprofile": probe(True)}
+    buf = os.urandom(1 << 20) * a.sha_mb
+    t0 = time.perf_counter()
+    hashlib.sha256(buf).hexdigest()
+    res["sha256_MB_s"] = a.sha_mb * 1.048576 / (time.perf_counter() - t0)
+    for k in ("plain", "cprofile"):
+        r = res[k]
+        print(f"{k:<9} launch-path imports {r['imports_s']:5.2f} s (process {r['process_s']:5.2f} s, {r['modules']} "
+              f"modules); custom-op source lookups {r['get_source_calls']} calls, {r['get_source_s']:.2f} s")
+    print(f"sha256 {res['sha256_MB_s']:.0f} MB/s: a 5 GB frozen head takes {5000 / res['sha256_MB_s']:.1f} s per rank "
+          "(from the page cache), now overlapped with the set-up")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
