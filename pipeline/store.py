@@ -556,7 +556,7 @@ class StoreReader:
         integrity = INTEGRITY_ATTR in dict(root.attrs)
         self.shards: dict[int, Any] = {}
         self.progress: dict[int, Progress] = {}
-        # opened arrays, by (shard, name): opening one reads and parses its zarr.json, which was half of
+        # opened arrays, by (shard, name): opening one reads and parses its zarr.json, which costs half of
         # a sample's read time when done per read. Each array's shape covers every committed sample.
         self._arrays: dict[tuple[int, str], Any] = {}
         self._present: dict[tuple[int, str], set[int]] = {}  # chunks seen to exist, by (shard, name)

@@ -281,7 +281,7 @@ before = peak_rss_bytes()
 if how == "dflash":
     from pipeline.target import load_target
     m = load_target(path, torch.bfloat16, torch.device("cpu"), keep_layers=1)
-else:  # the old way: from_pretrained (memory-maps every shard), then .to(device), which reads every byte of it
+else:  # the plain way: from_pretrained (memory-maps every shard), then .to(device), which reads every byte of it
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     sum(float(p.float().sum()) for p in m.parameters())  # the reads a host-to-GPU copy makes
@@ -292,7 +292,7 @@ print(json.dumps({"growth": peak_rss_bytes() - before, "layers": len(m.model.lay
 @pytest.mark.slow
 def test_loading_never_holds_the_checkpoint_in_host_memory(tmp_path):
     """A ~200 MB replica (8 shards, bf16): loading layer 0 for extraction grows the peak resident memory by a
-    small part of the checkpoint; from_pretrained followed by the reads of a move to the GPU (the old load_target)
+    small part of the checkpoint; from_pretrained followed by the reads of a move to the GPU (the plain load)
     by about all of it (its mapped shards become resident), which shows the measurement catches a full host copy.
     On a GPU the kept tensors go to the device, so the growth is smaller still."""
     big = build_tiny_hybrid(tmp_path / "big", hidden=1024, ffn=4096, layers=8, shards=8, dtype="bfloat16")

@@ -64,7 +64,7 @@ def _head(nan: bool = False) -> bytes:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """12 samples in one shard, all "train" (an all-zero split chunk) and a first sample whose 300-token prompt
-    makes loss_mask chunks 0 and 1 all zero: stores used to leave such chunks out (zarr's default)."""
+    makes loss_mask chunks 0 and 1 all zero: zarr's default leaves such chunks out, and the store must not."""
     path = str(tmp_path_factory.mktemp("integrity") / "s.zarr")
     st.create_or_open_store(path, _prov())
     g = torch.Generator().manual_seed(0)
