@@ -61,11 +61,6 @@ def test_sglang_mode_has_no_auto_map(drafter, tmp_path):
     assert "auto_map" not in json.loads((out / "config.json").read_text())
 
 
-def test_mismatched_arguments_refused(drafter, tmp_path):
-    with pytest.raises(ValueError, match="mask_token_id"):
-        export_drafter(drafter, drafter.arch, tmp_path / "m", vocab_size=50, num_target_layers=8, mask_token_id=7)
-
-
 def _our_output(d, feats, emb):
     S, Q = feats.shape[1], emb.shape[1]
     attend = make_attend("sdpa", anchors=torch.tensor([[S]]), block_size=Q, ctx_len=S,
@@ -74,8 +69,7 @@ def _our_output(d, feats, emb):
 
 
 def test_round_trips(drafter, tmp_path):
-    out = export_drafter(drafter, drafter.arch, tmp_path / "r", vocab_size=50, num_target_layers=8, dtype="float32",
-                         target_layer_ids=[1, 3, 5], mask_token_id=3, block_size=BS)
+    out = export_drafter(drafter, drafter.arch, tmp_path / "r", vocab_size=50, num_target_layers=8, dtype="float32")
     g = torch.Generator().manual_seed(5)
     feats = torch.randn(1, 11, 3 * H, generator=g)  # S = 11 > sliding window 6: the window matters
     emb = torch.randn(1, BS, H, generator=g)
