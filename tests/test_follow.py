@@ -111,10 +111,12 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from helpers_cli import HANG_S  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1"}
-LONG = 600  # s: generous limits for a loaded 2-core machine; no assertion depends on speed
+LONG = HANG_S  # a hang guard only (tests/helpers_cli.py): no assertion depends on speed
 
 
 def _cli(*args, env=ENV, **kw) -> subprocess.Popen:

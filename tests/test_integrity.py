@@ -28,6 +28,8 @@ from pipeline.provenance import check_frozen_head, target_differences, write_fro
 from pipeline.store_lock import ShardLock, ShardLockedError, lock_path, machine_id
 from stages.store_tools import verify_store
 
+from helpers_cli import HANG_S  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 VOCAB, HIDDEN, LAYERS = 100, 64, [1, 3]
@@ -268,7 +270,7 @@ def test_a_second_writer_is_refused_naming_host_and_pid(tmp_path):
     path = _fresh(tmp_path)
     with st.ShardWriter(path, 0, _prov()):
         code = f"import json\nfrom pipeline import store as st\nst.ShardWriter({path!r}, 0, json.loads({json.dumps(_prov())!r}))"
-        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
         assert r.returncode == 1 and "ShardLockedError" in r.stderr
         msg = r.stderr.strip().splitlines()[-1]
         assert f"pid {os.getpid()} on host {socket.gethostname()}" in msg and "shard 0" in msg
@@ -315,10 +317,10 @@ def test_only_one_of_many_takes_a_stale_lock_over(tmp_path):
     procs = [ctx.Process(target=_race, args=(path, start, hold, results)) for _ in range(6)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in procs]
+    got = [results.get(timeout=HANG_S) for _ in procs]
     hold.set()
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=HANG_S)
     winners = [pid for kind, pid in got if kind == "won"]
     assert len(winners) == 1, got
     assert all(f"pid {winners[0]} " in text for kind, text in got if kind == "refused")
