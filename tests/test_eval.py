@@ -284,6 +284,7 @@ def _sets(items):
     return [x for item in items for x in ("--set", item)]
 
 
+@pytest.mark.slow
 def test_quality_regression_tiny(tmp_path):
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
     _dflash("extract", "--config", TINY, "--shards", "1", "--store", store,

@@ -142,6 +142,7 @@ def _store_content(path):
     return out
 
 
+@pytest.mark.slow
 def test_resume_after_kill_equals_uninterrupted(tmp_path, two_shard_store):
     store = str(tmp_path / "k.zarr")
     args = [sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2", "--store", store,
@@ -184,6 +185,7 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path, two_shard_store):
         np.testing.assert_allclose(fa.view(np.float32), fb.view(np.float32), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_resumed_store_is_bitwise_equal_with_same_plan(tmp_path):
     """Kill -9 mid-run and resume with the same batch plan: the features are bit-for-bit identical."""
     ref, store = str(tmp_path / "ref.zarr"), str(tmp_path / "k.zarr")

@@ -100,6 +100,7 @@ def _finish_and_verify(store):
     assert len(reader.samples) == 150 and len({s.sample_id for s in reader.samples}) == 150
 
 
+@pytest.mark.slow
 def test_sigterm_stops_everything_and_rerun_resumes(tmp_path):
     store = str(tmp_path / "s.zarr")
     p = _start(store)
@@ -117,6 +118,7 @@ def test_sigterm_stops_everything_and_rerun_resumes(tmp_path):
     _finish_and_verify(store)
 
 
+@pytest.mark.slow
 def test_parent_kill9_leaves_no_orphans(tmp_path):
     store = str(tmp_path / "s.zarr")
     p = _start(store)
@@ -131,6 +133,7 @@ def test_parent_kill9_leaves_no_orphans(tmp_path):
     _finish_and_verify(store)
 
 
+@pytest.mark.slow
 def test_training_sigterm_stops_all_ranks_with_resume_hint(tmp_path):
     store = str(tmp_path / "s.zarr")
     _finish_and_verify(store)
@@ -149,6 +152,7 @@ def test_training_sigterm_stops_all_ranks_with_resume_hint(tmp_path):
     assert (run / "logs" / "rank0.log").exists() and (run / "logs" / "rank1.log").exists()
 
 
+@pytest.mark.slow
 def test_training_parent_kill9_leaves_no_orphans(tmp_path):
     store = str(tmp_path / "s.zarr")
     _finish_and_verify(store)
@@ -219,6 +223,7 @@ time.sleep(60)                                          # the launcher, still sh
     assert not _running(pid), _proc_status(pid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("presses", [1, 2])
 def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
     """Ctrl-C from a terminal (SIGINT to the launcher, its ranks and their loader workers): once -> graceful stop
@@ -237,6 +242,7 @@ def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
     assert not left, f"processes left behind: {left}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("presses", [1, 2])
 def test_extract_ctrl_c_to_the_group(tmp_path, presses):
     """Ctrl-C from a terminal reaches the parent and its workers: once -> workers stop after their commit; twice
@@ -265,6 +271,7 @@ def _proc_status(pid) -> str:
         return "gone"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
 def test_training_kill9_leaves_no_loader_workers(tmp_path, devices):
     """SIGKILL (the OOM killer) of a one-process `dflash train`: its DataLoader workers must not run on: a
