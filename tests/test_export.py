@@ -10,6 +10,8 @@ from pipeline.drafter import DFlashDrafter, DrafterArch
 from pipeline.export import contract_keys, export_drafter, load_exported
 from pipeline.masks import make_attend
 
+from helpers_drafters import tiny_drafter  # noqa: E402
+
 H, BS = 16, 4
 REQUIRED = [
     "architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
@@ -22,17 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # toy-sized models (tests/co
 
 @pytest.fixture(scope="module")
 def drafter():
-    torch.manual_seed(0)
-    arch = DrafterArch(hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, target_layer_ids=[1, 3, 5],
-                       layer_types=["sliding_attention", "full_attention"], sliding_window=6, block_size=BS,
-                       mask_token_id=3, rope_theta=10000.0, max_position_embeddings=512)
-    d = DFlashDrafter(arch)
-    with torch.no_grad():
-        for n, p in d.named_parameters():
-            if "norm" in n:
-                p.add_(0.3 * torch.randn_like(p))
-    return d
+    return tiny_drafter(0, target_layer_ids=[1, 3, 5], sliding_window=6, block_size=BS, mask_token_id=3,
+                        max_position_embeddings=512)
 
 
 def test_config_and_weights(drafter, tmp_path):
