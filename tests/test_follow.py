@@ -44,7 +44,7 @@ def test_growing_store_reads_committed_rows_in_stream_order(tmp_path):
     assert g.validation_ready() and [r.sample_id for r in g.validation()] == [100, 200]
     assert [r.sample_id for r in g.stream] == [101] and g.blocked == 1  # shard 1's row 1 (key 0.3) ties 101's
     # rows written but not committed (an interrupted batch) are never read
-    arr = st.ShardWriter(path, 1, PROV).arrays
+    arr = w1.arrays  # its own writer: a second ShardWriter of shard 1 is refused by the shard lock
     for name in ("sample_start", "sample_length", "sample_id", "split"):
         arr[name].resize((3,))
         arr[name][1:3] = 7
