@@ -47,6 +47,7 @@ def _random_drafter(block_size=6, layer_ids=(1, 3)):
     return DFlashDrafter(arch).eval()
 
 
+@pytest.mark.usefixtures("one_thread")  # toy-sized target and drafter (tests/conftest.py)
 @pytest.mark.parametrize("cache", ["kv", "recompute"])
 def test_speculative_equals_greedy(random_target, cache):
     model = random_target
