@@ -1,4 +1,4 @@
-"""Peak host memory of loading the target, per extract worker: dflash's loader against the old way.
+"""Peak host memory of loading the target, per extract worker: dflash's loader against plain from_pretrained.
 
 Writes a random checkpoint of the real Qwen3.5/3.6-27B layout at full width (hidden 5120, FFN 17408, vocab
 248,320, the real head counts) but with fewer layers (`--layers 8`: ~11 GB instead of 54 GB, which the GPU

@@ -8,7 +8,7 @@ Contract:
 - Ranks take the global batches in rounds: from the epoch's position p, rank r trains p + r, p + r + W, ...
   The last round is completed with filler batches (one sample with its loss mask zeroed: no loss, no
   gradient), so every sample is trained exactly once per epoch on exactly one rank, and every rank has the
-  same number of batches. (Before fillers the last few batches of an epoch were dropped.)
+  same number of batches.
 - The state is (epoch, batches this rank finished, global batches finished). The global list is the same for
   any world size, so a run resumed on W' ranks deals the rest of the epoch over W' ranks: nothing is trained
   twice or skipped, whatever W' is.

@@ -38,11 +38,11 @@ from pipeline.store import SampleRef, StoreReader
 
 class StoreDataset(torch.utils.data.Dataset):
     def __init__(self, store_path: str, indices: list[int], num_anchors: int, seed: int,
-                 lengths: Optional[list[int]] = None, fixed_anchors: bool = False, growing: bool = False,
+                 fixed_anchors: bool = False, growing: bool = False,
                  wait_log: Optional[str] = None, anchors_per_token: Optional[float] = None):
         self.store_path, self.indices = store_path, list(indices)
         self.num_anchors, self.seed, self.fixed_anchors = num_anchors, seed, fixed_anchors
-        self.lengths, self.growing = lengths, growing  # growing: the store may still be written (--follow)
+        self.growing = growing  # growing: the store may still be written (--follow)
         self.anchors_per_token = anchors_per_token  # None: num_anchors each; r: ~r per labelled token (masks.py)
         self.wait_log = wait_log  # where a worker waiting for extraction says so (rank 0's log), besides stderr
         self._reader: Optional[StoreReader] = None

@@ -30,7 +30,28 @@ class ConfigError(UserError, ValueError):
 
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "data" / "assets"
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _configs_dir() -> Path:
+    """The shipped run configs: configs/ beside pipeline/ in a checkout (or an editable install), else the copy
+    an installed dflash carries (pyproject.toml's data-files: PREFIX/share/dflash/configs), found through the
+    installed distribution's file list so that venv, --user and --prefix installs all work."""
+    checkout = Path(__file__).resolve().parent.parent / "configs"
+    if (checkout / "tiny.yaml").is_file():
+        return checkout
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("dflash").files or []
+    except metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name == "tiny.yaml" and f.parent.name == "configs":
+            return Path(f.locate()).resolve().parent
+    return checkout  # neither: load_config's "does not exist" error names this path
+
+
+CONFIGS_DIR = _configs_dir()
 
 
 @dataclass

@@ -117,9 +117,6 @@ def export_drafter(
     *,
     vocab_size: int,
     num_target_layers: int,
-    target_layer_ids: Optional[list[int]] = None,
-    mask_token_id: Optional[int] = None,
-    block_size: Optional[int] = None,
     tie_word_embeddings: bool = False,
     dtype: str = "bfloat16",
     for_sglang: bool = False,
@@ -127,22 +124,17 @@ def export_drafter(
 ) -> Path:
     """Write the exported drafter directory; returns its path.
 
-    target_layer_ids / mask_token_id / block_size default to the arch's and must agree with it if given.
+    arch: the drafter's (None: drafter.arch); the layer ids, mask token and block size come from it.
     num_target_layers and vocab_size describe the target (its layer count and vocabulary). dtype: the saved
     weights' dtype. for_sglang: omit auto_map (SGLang rejects it); the modeling files are still written.
     """
     if hasattr(drafter, "candidate_selector"):  # DFlash 2: its own contract (pipeline/export2.py)
         from .export2 import export_dflash2
 
-        given = {"target_layer_ids": target_layer_ids, "mask_token_id": mask_token_id, "block_size": block_size}
         return export_dflash2(drafter, out_dir, vocab_size=vocab_size, num_target_layers=num_target_layers,
                               tie_word_embeddings=tie_word_embeddings, dtype=dtype, for_sglang=for_sglang,
-                              extra_metadata=extra_metadata, **{k: v for k, v in given.items() if v is not None})
+                              extra_metadata=extra_metadata)
     arch = arch or drafter.arch
-    _check("target_layer_ids", list(target_layer_ids) if target_layer_ids is not None else None,
-           arch.target_layer_ids)
-    _check("mask_token_id", mask_token_id, arch.mask_token_id)
-    _check("block_size", block_size, arch.block_size)
     if dtype not in DTYPES:
         raise ValueError(f"export_drafter: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)

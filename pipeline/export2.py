@@ -95,12 +95,9 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 def export_dflash2(drafter: DFlash2Drafter, out_dir: str | Path, *, vocab_size: int, num_target_layers: int,
                    tie_word_embeddings: bool = False, dtype: str = "bfloat16", for_sglang: bool = False,
-                   extra_metadata: Optional[dict] = None, **given) -> Path:
-    """As `pipeline.export.export_drafter` (which calls this for a DFlash 2 drafter); `given` may hold
-    target_layer_ids / mask_token_id / block_size, which must agree with the arch."""
+                   extra_metadata: Optional[dict] = None) -> Path:
+    """As `pipeline.export.export_drafter` (which calls this for a DFlash 2 drafter)."""
     arch: DFlash2Arch = drafter.arch
-    for name, value in given.items():
-        _check(name, list(value) if isinstance(value, (list, tuple)) else value, getattr(arch, name))
     _check("vocab_size", int(vocab_size), arch.vocab_size)
     if dtype not in DTYPES:
         raise ValueError(f"export_drafter: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

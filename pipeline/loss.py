@@ -219,8 +219,10 @@ def normalised_loss(loss_sum: Tensor, weight_sum_global: Tensor, world_size: int
     same say as one with 10,000. weight_sum_global is the SUM of the ranks' weight sums (all-reduced by the
     caller); it is not differentiated through. DDP then AVERAGES gradients over ranks (divides their sum by
     world_size), so returning loss_sum_rank / W_global * world_size makes the averaged gradient exactly the
-    gradient of sum_over_ranks(loss_sum) / W_global. Under gradient accumulation each micro-batch is
-    normalised by its own global sum (a known approximation: see docs/architecture.md).
+    gradient of sum_over_ranks(loss_sum) / W_global. Under gradient accumulation the caller passes the whole
+    window's global weight sum instead (the loader's batch["window_weight"], summed over ranks) and multiplies
+    by accumulate_grad_batches to undo Lightning's division, so the optimizer step sees the gradient of
+    sum_over_window_and_ranks(loss_sum) / W_window (stages/train_module.py: training_step).
     """
     return loss_sum / weight_sum_global.detach().to(torch.float32).clamp_min(eps) * world_size
 

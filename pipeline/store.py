@@ -97,7 +97,7 @@ class StoreDataError(StoreError):
 
 def digest(obj: Any) -> str:
     """sha256 of an attribute value's canonical JSON (what a round trip through zarr.json preserves)."""
-    return hashlib.sha256(dumps(obj).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def shard_name(index: int) -> str:
@@ -234,7 +234,7 @@ def create_or_open_store(path: str, provenance: dict) -> dict:
             Path(path).mkdir(parents=True, exist_ok=True)
         root = zarr.open_group(path, mode="a")
         root.require_group(SHARDS_GROUP)
-        provenance = json.loads(dumps(provenance))  # as zarr.json will hold it, so the checksum matches a re-read
+        provenance = json.loads(json.dumps(provenance))  # as zarr.json will hold it, so the checksum matches a re-read
         # written last and in one metadata write: a store without it is not (yet) a dflash store
         root.update_attributes({"dflash": provenance,
                                 INTEGRITY_ATTR: {"version": 1, "provenance_sha256": digest(provenance)}})
@@ -557,7 +557,7 @@ class StoreReader:
         integrity = INTEGRITY_ATTR in dict(root.attrs)
         self.shards: dict[int, Any] = {}
         self.progress: dict[int, Progress] = {}
-        # opened arrays, by (shard, name): opening one reads and parses its zarr.json, which was half of
+        # opened arrays, by (shard, name): opening one reads and parses its zarr.json, which costs half of
         # a sample's read time when done per read. Each array's shape covers every committed sample.
         self._arrays: dict[tuple[int, str], Any] = {}
         self._present: dict[tuple[int, str], set[int]] = {}  # chunks seen to exist, by (shard, name)
@@ -719,7 +719,3 @@ def read_bytes(path: str) -> bytes:
 
 def sample_id_to_int(sample_id: str) -> int:
     return int(sample_id[:16], 16)
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))

@@ -116,7 +116,7 @@ class DrafterTask(L.LightningModule):
             # a recompile storm fails loudly instead of silently running eager. The limit counts the layer's
             # legitimate variants: input requires_grad (first layer or not) x layer type x grad mode (training
             # or validation) x static then dynamic shapes = up to 16. A tiny CPU run with compile on (varying
-            # lengths, one batch of 1, validation) already needed 8, dynamo's default and the old limit.
+            # lengths, one batch of 1, validation) already needs 8, dynamo's default.
             loud_recompiles(limit=16)
             self.drafter.compile_layers()  # regional compilation (see DFlashDrafter.compile_layers)
 
@@ -276,7 +276,7 @@ class DrafterTask(L.LightningModule):
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                                 lr=t.lr, betas=tuple(t.betas), foreach=True)  # not fused: Lightning clips gradients before the step
         # the planned steps come from the data plan (stages.train); Lightning's estimate would set the train
-        # dataloader up here, before a resumed run's loader state is restored (it then never was: issue 23)
+        # dataloader up here, before a resumed run's loader state is restored, and that state would be lost
         total = self.planned_steps if self.planned_steps is not None else self.trainer.estimated_stepping_batches
         self.lr_schedule = WarmupCosine(total, t.warmup_ratio)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_schedule)

@@ -1,4 +1,6 @@
-"""Shared pytest setup: GPU tests run only where CUDA exists; everything else runs on 2 CPU cores."""
+"""Shared pytest setup: GPU tests run only where CUDA exists; everything else runs on 2 CPU cores. Session
+fixtures built once for the whole run: the tiny store (`tiny_store`, copied by tests that change it through
+`tiny_store_copy`) and the tiny hybrid target (`hybrid`). The CLI runner is tests/helpers_cli.py."""
 
 import os
 
@@ -32,6 +34,29 @@ def hybrid(tmp_path_factory):
     from scripts.make_tiny_hybrid import build_tiny_hybrid
 
     return build_tiny_hybrid(tmp_path_factory.mktemp("hybrid") / "qwen3_5-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory) -> str:
+    """The tiny target's store, extracted once per session by the CLI (2 shards, 240 samples, bf16; the options
+    are helpers_cli.TINY_STORE_OPTS). Shared: read it, never write it; a test that changes a store, or runs a
+    command that may write into one, takes `tiny_store_copy`."""
+    from helpers_cli import TINY, TINY_STORE_OPTS, dflash
+
+    store = str(tmp_path_factory.mktemp("tiny-store") / "store.zarr")
+    r = dflash("extract", "--config", TINY, "--shards", "2", "--store", store, *TINY_STORE_OPTS)
+    assert "finished shard(s) [0, 1]" in r.stderr and "complete" in r.stderr, r.stderr[-3000:]
+    return store
+
+
+@pytest.fixture
+def tiny_store_copy(tiny_store, tmp_path) -> str:
+    """A private copy of the shared tiny store, for a test that changes it."""
+    import shutil
+
+    dst = tmp_path / "store-copy.zarr"
+    shutil.copytree(tiny_store, dst)
+    return str(dst)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,9 +9,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
+# the session's shared tiny store (tests/conftest.py: tiny_store): 2 shards of the tiny target, 240 samples
+TINY_STORE_OPTS = ["--set", "data.max_samples=240", "--set", "extract.token_budget=4096"]
+# How long a test waits on a subprocess (or for a state it polls) before calling it hung. Only a guard against
+# a hang, never a speed requirement: every test bounds its work by sample, step and epoch counts, and a busy
+# shared 2-core machine took the tiny quality test past an earlier 600 s limit, failing a correct run.
+HANG_S = 3600
 
 
-def dflash(*args, timeout=600, check=True, cwd=ROOT, gpus=False) -> subprocess.CompletedProcess:
+def dflash(*args, timeout=HANG_S, check=True, cwd=ROOT, gpus=False) -> subprocess.CompletedProcess:
     """Run the CLI in a subprocess; GPUs hidden unless gpus=True (the GPU-marked tests)."""
     env = dict(os.environ) if gpus else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,

@@ -14,10 +14,10 @@ from pipeline.drafter2 import DFlash2Arch, DFlash2Drafter, grouped_dynamic_conv,
 from pipeline.loss import IGNORE_INDEX, chunked_weighted_ce, chunked_weighted_ce_topk, selector_ce
 from pipeline.masks import build_blocks, make_attend
 
+from helpers_drafters import TINY_ARCH  # noqa: E402
+
 H, V, BS, K = 16, 40, 4, 5
-BASE = dict(hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, target_layer_ids=[1, 3], layer_types=["sliding_attention", "full_attention"], sliding_window=4,
-            block_size=BS, mask_token_id=1, rope_theta=10000.0)
+BASE = dict(TINY_ARCH, target_layer_ids=[1, 3], sliding_window=4, block_size=BS, mask_token_id=1)
 EXTRA = dict(vocab_size=V, conv_kernel_size=2, conv_group_size=4, selector_rank=6, selector_top_k=K)
 
 

@@ -8,24 +8,22 @@ from pipeline.drafter import DFlashDrafter, DrafterArch, draft_blocks
 from pipeline.export import contract_keys
 from pipeline.masks import build_blocks, make_attend
 
+import helpers_drafters  # noqa: E402
+
 H, L, V, BS, W = 16, 2, 40, 4, 4
 
 
-def tiny_arch(layer_types, **kw):
-    return DrafterArch(hidden_size=H, intermediate_size=32, num_hidden_layers=len(layer_types), num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, target_layer_ids=[1, 3], layer_types=layer_types,
-                       sliding_window=W if "sliding_attention" in layer_types else None, block_size=BS,
-                       mask_token_id=1, rope_theta=10000.0, **kw)
+def _shape(layer_types) -> dict:
+    return dict(layer_types=layer_types, target_layer_ids=[1, 3], block_size=BS, mask_token_id=1,
+                sliding_window=W if "sliding_attention" in layer_types else None)
 
 
-def tiny_drafter(layer_types, seed=0):
-    torch.manual_seed(seed)
-    d = DFlashDrafter(tiny_arch(layer_types)).double()
-    with torch.no_grad():  # non-trivial norm weights so that every parameter matters
-        for n, p in d.named_parameters():
-            if "norm" in n:
-                p.add_(0.3 * torch.randn_like(p))
-    return d
+def tiny_arch(layer_types):
+    return helpers_drafters.tiny_arch(**_shape(layer_types))
+
+
+def tiny_drafter(layer_types, seed=0):  # float64, non-trivial norm weights so that every parameter matters
+    return helpers_drafters.tiny_drafter(seed, torch.float64, **_shape(layer_types))
 
 
 def run(d, feats, embeds, anchors, q_pos=None, ctx_pos=None):

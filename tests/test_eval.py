@@ -47,6 +47,7 @@ def _random_drafter(block_size=6, layer_ids=(1, 3)):
     return DFlashDrafter(arch).eval()
 
 
+@pytest.mark.usefixtures("one_thread")  # toy-sized target and drafter (tests/conftest.py)
 @pytest.mark.parametrize("cache", ["kv", "recompute"])
 def test_speculative_equals_greedy(random_target, cache):
     model = random_target
@@ -284,6 +285,7 @@ def _sets(items):
     return [x for item in items for x in ("--set", item)]
 
 
+@pytest.mark.slow
 def test_quality_regression_tiny(tmp_path):
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
     _dflash("extract", "--config", TINY, "--shards", "1", "--store", store,

@@ -10,6 +10,8 @@ from pipeline.drafter import DFlashDrafter, DrafterArch
 from pipeline.export import contract_keys, export_drafter, load_exported
 from pipeline.masks import make_attend
 
+from helpers_drafters import tiny_drafter  # noqa: E402
+
 H, BS = 16, 4
 REQUIRED = [
     "architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
@@ -22,17 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # toy-sized models (tests/co
 
 @pytest.fixture(scope="module")
 def drafter():
-    torch.manual_seed(0)
-    arch = DrafterArch(hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, target_layer_ids=[1, 3, 5],
-                       layer_types=["sliding_attention", "full_attention"], sliding_window=6, block_size=BS,
-                       mask_token_id=3, rope_theta=10000.0, max_position_embeddings=512)
-    d = DFlashDrafter(arch)
-    with torch.no_grad():
-        for n, p in d.named_parameters():
-            if "norm" in n:
-                p.add_(0.3 * torch.randn_like(p))
-    return d
+    return tiny_drafter(0, target_layer_ids=[1, 3, 5], sliding_window=6, block_size=BS, mask_token_id=3,
+                        max_position_embeddings=512)
 
 
 def test_config_and_weights(drafter, tmp_path):
@@ -61,11 +54,6 @@ def test_sglang_mode_has_no_auto_map(drafter, tmp_path):
     assert "auto_map" not in json.loads((out / "config.json").read_text())
 
 
-def test_mismatched_arguments_refused(drafter, tmp_path):
-    with pytest.raises(ValueError, match="mask_token_id"):
-        export_drafter(drafter, drafter.arch, tmp_path / "m", vocab_size=50, num_target_layers=8, mask_token_id=7)
-
-
 def _our_output(d, feats, emb):
     S, Q = feats.shape[1], emb.shape[1]
     attend = make_attend("sdpa", anchors=torch.tensor([[S]]), block_size=Q, ctx_len=S,
@@ -74,8 +62,7 @@ def _our_output(d, feats, emb):
 
 
 def test_round_trips(drafter, tmp_path):
-    out = export_drafter(drafter, drafter.arch, tmp_path / "r", vocab_size=50, num_target_layers=8, dtype="float32",
-                         target_layer_ids=[1, 3, 5], mask_token_id=3, block_size=BS)
+    out = export_drafter(drafter, drafter.arch, tmp_path / "r", vocab_size=50, num_target_layers=8, dtype="float32")
     g = torch.Generator().manual_seed(5)
     feats = torch.randn(1, 11, 3 * H, generator=g)  # S = 11 > sliding window 6: the window matters
     emb = torch.randn(1, BS, H, generator=g)

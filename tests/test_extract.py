@@ -21,11 +21,11 @@ from pipeline.config import load_config
 from pipeline.encoding import decode, from_storage
 from pipeline.target import FeatureCapture, capture_features, load_target, truncate_layers
 
-from helpers_cli import dflash  # noqa: E402
+from helpers_cli import HANG_S, TINY_STORE_OPTS, dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-SMALL = ["--set", "data.max_samples=120", "--set", "extract.token_budget=2048"]
+SMALL = TINY_STORE_OPTS  # the options of the session's tiny store (tests/conftest.py: tiny_store)
 
 
 def test_capture_equals_output_hidden_states():
@@ -45,28 +45,27 @@ def test_capture_equals_output_hidden_states():
     assert len(model.model.layers) == 6
 
 
-@pytest.fixture(scope="module")
-def two_shard_store(tmp_path_factory):
-    store = str(tmp_path_factory.mktemp("ex") / "s.zarr")
-    r = dflash("extract", "--config", TINY, "--shards", "2", "--store", store, *SMALL)
-    assert "finished shard(s) [0, 1]" in r.stderr and "complete" in r.stderr
-    return store
+@pytest.fixture
+def two_shard_store(tiny_store):
+    """The session's tiny store (tests/conftest.py), which the extract CLI wrote with 2 shards: its fixture
+    asserts the run's "finished shard(s) [0, 1]" and "complete" lines. Read only; reruns take a copy."""
+    return tiny_store
 
 
-def test_two_shards_store_is_complete_and_valid(two_shard_store):
+def test_two_shards_store_is_complete_and_valid(two_shard_store, tiny_store_copy):
     logs = Path(two_shard_store) / "logs"  # the workers ran on the parent's resolved config and samples
-    assert load_config(str(logs / "extract-config.yaml")).data.max_samples == 120
+    assert load_config(str(logs / "extract-config.yaml")).data.max_samples == 240
     for i in range(2):
         assert f"--samples {logs}/extract-samples-{i:05d}.npz" in (logs / f"extract-shard-{i:05d}.log").read_text()
     reader = st.StoreReader(two_shard_store)
-    assert len(reader.samples) == 120
-    assert len({s.sample_id for s in reader.samples}) == 120
+    assert len(reader.samples) == 240
+    assert len({s.sample_id for s in reader.samples}) == 240
     assert {s.shard for s in reader.samples} == {0, 1}
     v = dflash("verify", two_shard_store)
     assert "is valid" in v.stdout
     i = dflash("inspect", two_shard_store)
     assert "B/token" in i.stdout and "[0] done" in i.stdout and "[1] done" in i.stdout
-    again = dflash("extract", "--config", TINY, "--shards", "2", "--store", two_shard_store, *SMALL)
+    again = dflash("extract", "--config", TINY, "--shards", "2", "--store", tiny_store_copy, *SMALL)
     assert "nothing to do" in again.stderr
 
 
@@ -147,6 +146,7 @@ def _store_content(path):
     return out
 
 
+@pytest.mark.slow
 def test_resume_after_kill_equals_uninterrupted(tmp_path, two_shard_store):
     store = str(tmp_path / "k.zarr")
     args = [sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2", "--store", store,
@@ -155,7 +155,7 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path, two_shard_store):
     rng = np.random.default_rng(0)
     for round_ in range(2):  # kill a random worker at a random point, twice
         p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
+        deadline = time.time() + HANG_S  # a hang guard only (tests/helpers_cli.py)
         killed = False
         while time.time() < deadline and p.poll() is None:
             time.sleep(0.2)
@@ -172,7 +172,7 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path, two_shard_store):
                     os.kill(int(pid), signal.SIGKILL)
                 killed = bool(out)
                 break
-        rc = p.wait(timeout=120)
+        rc = p.wait(timeout=HANG_S)
         if killed:
             assert rc == 1, (rc, p.stderr.read())
             assert "failed" in (err := p.stderr.read()) and "resume" in err
@@ -189,6 +189,7 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path, two_shard_store):
         np.testing.assert_allclose(fa.view(np.float32), fb.view(np.float32), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_resumed_store_is_bitwise_equal_with_same_plan(tmp_path):
     """Kill -9 mid-run and resume with the same batch plan: the features are bit-for-bit identical."""
     ref, store = str(tmp_path / "ref.zarr"), str(tmp_path / "k.zarr")
@@ -197,7 +198,7 @@ def test_resumed_store_is_bitwise_equal_with_same_plan(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     q = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "1",
                           "--store", store, *opts], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
+    deadline = time.time() + HANG_S
     while time.time() < deadline:
         try:
             prog = dict(zarr.open_group(store, mode="r")[st.shard_name(0)].attrs).get("progress", {})
@@ -208,12 +209,13 @@ def test_resumed_store_is_bitwise_equal_with_same_plan(tmp_path):
         time.sleep(0.1)
     for pid in subprocess.run(["pgrep", "-f", f"extract_worker.*{store}"], capture_output=True, text=True).stdout.split():
         os.kill(int(pid), signal.SIGKILL)
-    q.wait(timeout=60)
+    q.wait(timeout=HANG_S)
     dflash("extract", "--config", TINY, "--shards", "1", "--store", store, *opts)
     assert _store_content(store) == _store_content(ref)
 
 
-def test_refusals(tmp_path, two_shard_store):
+def test_refusals(tmp_path, tiny_store_copy):
+    two_shard_store = tiny_store_copy
     r = dflash("extract", "--config", TINY, "--shards", "2", "--store", two_shard_store, *SMALL,
                "--set", "target.layer_ids=[1,2,3]", check=False)
     assert r.returncode == 2 and "layer_ids" in r.stderr and "different run" in r.stderr

@@ -44,7 +44,7 @@ def test_growing_store_reads_committed_rows_in_stream_order(tmp_path):
     assert g.validation_ready() and [r.sample_id for r in g.validation()] == [100, 200]
     assert [r.sample_id for r in g.stream] == [101] and g.blocked == 1  # shard 1's row 1 (key 0.3) ties 101's
     # rows written but not committed (an interrupted batch) are never read
-    arr = w1.arrays  # the writer's own arrays: a second writer of the shard would be refused
+    arr = w1.arrays  # its own writer: a second ShardWriter of shard 1 is refused by the shard lock
     for name in ("sample_start", "sample_length", "sample_id", "split"):
         arr[name].resize((3,))
         arr[name][1:3] = 7
@@ -111,10 +111,12 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from helpers_cli import HANG_S  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1"}
-LONG = 600  # s: generous limits for a loaded 2-core machine; no assertion depends on speed
+LONG = HANG_S  # a hang guard only (tests/helpers_cli.py): no assertion depends on speed
 
 
 def _cli(*args, env=ENV, **kw) -> subprocess.Popen:

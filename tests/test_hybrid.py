@@ -19,7 +19,7 @@ import torch
 from pipeline.target import (FeatureCapture, capture_features, frozen_head_from_checkpoint, frozen_head_tensors,
                              load_target, target_fingerprint)
 
-from helpers_cli import dflash  # noqa: E402
+from helpers_cli import HANG_S, dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -246,7 +246,7 @@ def test_kernels_transformers_binds_are_the_ones_reported(tmp_path):
             "print(json.dumps([available(), resolved_kernels()]))")
     for site, expect in ((None, "transformers.models.qwen3_5"), (str(tmp_path / "site"), "fla.ops.gated_delta_rule")):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, str(ROOT)]))}
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
         have, bound = json.loads(out.stdout.strip().splitlines()[-1])
         assert (have["fla"] is not None) == (site is not None)
         assert bound["chunk_gated_delta_rule"].startswith(expect), bound
@@ -281,7 +281,7 @@ before = peak_rss_bytes()
 if how == "dflash":
     from pipeline.target import load_target
     m = load_target(path, torch.bfloat16, torch.device("cpu"), keep_layers=1)
-else:  # the old way: from_pretrained (memory-maps every shard), then .to(device), which reads every byte of it
+else:  # the plain way: from_pretrained (memory-maps every shard), then .to(device), which reads every byte of it
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     sum(float(p.float().sum()) for p in m.parameters())  # the reads a host-to-GPU copy makes
@@ -292,7 +292,7 @@ print(json.dumps({"growth": peak_rss_bytes() - before, "layers": len(m.model.lay
 @pytest.mark.slow
 def test_loading_never_holds_the_checkpoint_in_host_memory(tmp_path):
     """A ~200 MB replica (8 shards, bf16): loading layer 0 for extraction grows the peak resident memory by a
-    small part of the checkpoint; from_pretrained followed by the reads of a move to the GPU (the old load_target)
+    small part of the checkpoint; from_pretrained followed by the reads of a move to the GPU (the plain load)
     by about all of it (its mapped shards become resident), which shows the measurement catches a full host copy.
     On a GPU the kept tensors go to the device, so the growth is smaller still."""
     big = build_tiny_hybrid(tmp_path / "big", hidden=1024, ffn=4096, layers=8, shards=8, dtype="bfloat16")
@@ -301,7 +301,7 @@ def test_loading_never_holds_the_checkpoint_in_host_memory(tmp_path):
     got = {}
     for how in ("dflash", "from_pretrained"):
         out = subprocess.run([sys.executable, "-c", _RSS, str(big), how], cwd=ROOT, capture_output=True, text=True,
-                             timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert out.returncode == 0, out.stderr[-2000:]
         got[how] = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["dflash"]["layers"] == 1 and got["from_pretrained"]["layers"] == 8
@@ -400,7 +400,7 @@ def test_benchmarks_run_on_cpu_at_a_tiny_size(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "bench/extract_bench.py", "--tiny", "--device", "cpu", "--tokens", "400",
                         "--encodings", "int5", "--out", str(tmp_path / "x.json")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     x = json.loads((tmp_path / "x.json").read_text())
     assert x["arch"] == "qwen3_5" and x["layers_built"] == 6 and x["layer_ids"] == [1, 2, 3, 4, 5]
@@ -409,7 +409,7 @@ def test_benchmarks_run_on_cpu_at_a_tiny_size(tmp_path):
     assert "goals (one H200)" in r.stdout and "CPU: transformers' torch reference paths" in r.stdout
     r = subprocess.run([sys.executable, "bench/load_bench.py", "--tiny", "--device", "cpu", "--layers", "4",
                         "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "l.json")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     loads = json.loads((tmp_path / "l.json").read_text())["loads"]
     assert loads["dflash"]["layers"] == loads["old"]["layers"] == 4

@@ -28,6 +28,8 @@ from pipeline.provenance import check_frozen_head, start_frozen_head_check, targ
 from pipeline.store_lock import ShardLock, ShardLockedError, lock_path, machine_id
 from stages.store_tools import verify_store
 
+from helpers_cli import HANG_S  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 VOCAB, HIDDEN, LAYERS = 100, 64, [1, 3]
@@ -64,7 +66,7 @@ def _head(nan: bool = False) -> bytes:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """12 samples in one shard, all "train" (an all-zero split chunk) and a first sample whose 300-token prompt
-    makes loss_mask chunks 0 and 1 all zero: stores used to leave such chunks out (zarr's default)."""
+    makes loss_mask chunks 0 and 1 all zero: zarr's default leaves such chunks out, and the store must not."""
     path = str(tmp_path_factory.mktemp("integrity") / "s.zarr")
     st.create_or_open_store(path, _prov())
     g = torch.Generator().manual_seed(0)
@@ -283,7 +285,7 @@ def test_a_second_writer_is_refused_naming_host_and_pid(tmp_path):
     path = _fresh(tmp_path)
     with st.ShardWriter(path, 0, _prov()):
         code = f"import json\nfrom pipeline import store as st\nst.ShardWriter({path!r}, 0, json.loads({json.dumps(_prov())!r}))"
-        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
         assert r.returncode == 1 and "ShardLockedError" in r.stderr
         msg = r.stderr.strip().splitlines()[-1]
         assert f"pid {os.getpid()} on host {socket.gethostname()}" in msg and "shard 0" in msg
@@ -330,10 +332,10 @@ def test_only_one_of_many_takes_a_stale_lock_over(tmp_path):
     procs = [ctx.Process(target=_race, args=(path, start, hold, results)) for _ in range(6)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in procs]
+    got = [results.get(timeout=HANG_S) for _ in procs]
     hold.set()
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=HANG_S)
     winners = [pid for kind, pid in got if kind == "won"]
     assert len(winners) == 1, got
     assert all(f"pid {winners[0]} " in text for kind, text in got if kind == "refused")

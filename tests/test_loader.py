@@ -10,6 +10,8 @@ from data.store_dataset import RankBatchSampler, StoreDataset
 from pipeline import store as st
 from pipeline.encoding import encode
 
+from helpers_cli import HANG_S  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def small_store(tmp_path_factory):
@@ -113,8 +115,8 @@ if __name__ == "__main__":
     os._exit(0)  # the training process dies (no cleanup, as under SIGKILL)
 """)
     marker = tmp_path / "child.pid"
-    subprocess.run([sys.executable, str(script), str(marker)], check=True, timeout=60)
-    deadline = time.time() + 60
+    subprocess.run([sys.executable, str(script), str(marker)], check=True, timeout=HANG_S)
+    deadline = time.time() + HANG_S  # a hang guard only: the child's imports are slow on a busy machine
     while not marker.exists() and time.time() < deadline:
         time.sleep(0.2)
     assert marker.exists(), "the worker never reached worker_init"
@@ -127,7 +129,7 @@ if __name__ == "__main__":
         except OSError:
             return False
 
-    deadline = time.time() + 10
+    deadline = time.time() + 90  # well before the child's own 120 s sleep ends: its exit is worker_init's
     while running() and time.time() < deadline:
         time.sleep(0.2)
     if running():
@@ -180,5 +182,5 @@ print(torch.get_num_threads(), blosc.get_nthreads())
     from pathlib import Path
 
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert out.stdout.split() == ["1", "1"], out.stderr[-2000:]

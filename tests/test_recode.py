@@ -21,11 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
-@pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("rc") / "bf16.zarr")
-    dflash("extract", "--config", TINY, "--shards", "2", "--store", path, "--set", "data.max_samples=80")
-    return path
+@pytest.fixture
+def src(tiny_store):
+    """The session's tiny bf16 store (tests/conftest.py); recode only reads its source."""
+    return tiny_store
 
 
 def features(path):

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from data.ingest import IngestError, ingest, tokenize_conversation  # noqa: E402
 from data.prompts import check_renders, read_prompts, split_segments  # noqa: E402
-from helpers_cli import TINY, dflash  # noqa: E402
+from helpers_cli import HANG_S, TINY, dflash  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 from regen_helpers import (END, ROOT, greedy_conversation, greedy_loop, read_jsonl,  # noqa: E402
                            tiny_model_and_tokenizer, write_prompts)
@@ -260,7 +260,7 @@ def test_resume_after_kill9_and_ctrl_c_equals_uninterrupted(reference_run, tmp_p
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     for round_, how in enumerate(["kill9-worker", "ctrl-c"]):
         p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 300  # generous: the machine is shared; no correctness depends on it
+        deadline = time.time() + HANG_S  # a hang guard only: no correctness depends on speed
         while time.time() < deadline and p.poll() is None and _log_lines(out) < 3 + 3 * round_:
             time.sleep(0.1)
         assert p.poll() is None, p.stderr.read()
@@ -268,10 +268,10 @@ def test_resume_after_kill9_and_ctrl_c_equals_uninterrupted(reference_run, tmp_p
             pids = subprocess.run(["pgrep", "-f", f"regen_worker.*--out {out} "], capture_output=True, text=True).stdout.split()
             assert pids
             os.kill(int(pids[0]), signal.SIGKILL)
-            assert p.wait(timeout=120) == 1 and "resume with the same command" in p.stderr.read()
+            assert p.wait(timeout=HANG_S) == 1 and "resume with the same command" in p.stderr.read()
         else:
             p.send_signal(signal.SIGINT)
-            assert p.wait(timeout=120) == 130
+            assert p.wait(timeout=HANG_S) == 130
             err = p.stderr.read()
             assert "stopped" in err and "resume with the same command" in err
     done_before = _log_lines(out)
@@ -299,7 +299,7 @@ def test_regen_bench_runs_at_a_tiny_size(tmp_path):
     """bench/regen_bench.py (the GPU throughput run) on the CPU at a tiny size, so it does not crash on the GPU."""
     out = tmp_path / "regen.json"
     r = subprocess.run([sys.executable, "bench/regen_bench.py", "--tiny", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                       capture_output=True, text=True, timeout=HANG_S, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["batched"]["prompts"] == 8 and res["loop"]["prompts"] == 2 and res["new_tokens"] == 16

@@ -22,19 +22,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_cli import dflash
+from helpers_cli import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1"}
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("resume") / "store.zarr")
-    dflash("extract", "--config", TINY, "--shards", "2", "--store", path, "--set", "data.max_samples=240",
-           "--set", "extract.token_budget=4096")
-    return path
+@pytest.fixture
+def store(tiny_store):
+    """The session's shared tiny store (tests/conftest.py); training only reads it."""
+    return tiny_store
 
 
 def _args(store, run, *extra):
@@ -45,7 +43,7 @@ def _args(store, run, *extra):
 
 def _run(args, check=True):
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                       timeout=900)
+                       timeout=HANG_S)
     assert not check or r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -54,7 +52,7 @@ def _kill_after_checkpoint(args, run: Path, at_least: int, seed: int) -> int:
     """Start a run, SIGKILL it a random moment after a checkpoint at step >= at_least; return that checkpoint's step."""
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600  # generous: a loaded 2-core machine; correctness never depends on it
+    deadline = time.time() + HANG_S  # only a hang guard: correctness never depends on speed
     while time.time() < deadline and p.poll() is None:
         if [f for f in (run / "checkpoints").glob("step*.ckpt") if int(f.stem[4:]) >= at_least]:
             break

@@ -21,7 +21,7 @@ import zarr
 
 from pipeline import store as st
 
-from helpers_cli import dflash  # noqa: E402
+from helpers_cli import HANG_S, dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -42,7 +42,7 @@ def _committed(store, shard) -> int:
         return 0
 
 
-def _wait(condition, timeout=240.0):  # generous: the machine is shared; correctness never depends on speed
+def _wait(condition, timeout=HANG_S):  # a hang guard only: correctness never depends on speed
     deadline = time.time() + timeout
     while time.time() < deadline:
         if condition():
@@ -67,7 +67,7 @@ def test_two_extractions_one_refused_the_other_killed_and_resumed_intact(tmp_pat
     assert pids, "shard 0's worker is gone before it could be killed"
     for pid in pids:
         os.kill(int(pid), signal.SIGKILL)
-    assert winner.wait(timeout=240) == 1
+    assert winner.wait(timeout=HANG_S) == 1
     # the same command again resumes (no cleanup by hand) and the store holds every sample, intact
     r = dflash("extract", "--config", TINY, "--shards", "2", "--store", store, *OPTS)
     assert "complete" in r.stderr
@@ -122,11 +122,7 @@ def _assert_every_sample_intact(store):
         assert (s["features"].reshape(len(w.input_ids), -1) != 0).any(axis=1).all(), f"zeroed features in {ref}"
 
 
-@pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory):
-    store = str(tmp_path_factory.mktemp("train") / "s.zarr")
-    dflash("extract", "--config", TINY, "--shards", "2", "--store", store, "--set", "data.max_samples=60")
-    return store
+# tiny_store: the session's shared store (tests/conftest.py); the tests below damage copies of it
 
 
 def _train(store, run, *extra):

@@ -17,18 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_cli import dflash  # noqa: E402
+from helpers_cli import HANG_S, dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-EXTRACT = ["--set", "data.max_samples=240", "--set", "extract.token_budget=4096"]
-
-
-@pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory):
-    store = str(tmp_path_factory.mktemp("train") / "store.zarr")
-    dflash("extract", "--config", TINY, "--shards", "2", "--store", store, *EXTRACT)
-    return store
+# tiny_store: the session's shared store (tests/conftest.py)
 
 
 def _train_args(store, run_dir, *extra):
@@ -121,7 +114,7 @@ def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
     p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ckpts = run / "checkpoints"
-    deadline = time.time() + 300
+    deadline = time.time() + HANG_S  # a hang guard only (tests/helpers_cli.py)
     while time.time() < deadline and p.poll() is None:
         if any(f.name.startswith("step") and int(f.stem[4:] or 0) >= 10 for f in ckpts.glob("step*.ckpt")):
             time.sleep(1.0)  # let last.ckpt follow the step checkpoint
@@ -179,7 +172,7 @@ def test_a_dead_rank_ends_the_job_without_hanging(tiny_store, tmp_path):
                                                                "train.epochs=50", "--no-export")]
     p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
+    deadline = time.time() + HANG_S
     child = []
     while time.time() < deadline and not child:  # wait for rank 1 (Lightning starts it with LOCAL_RANK=1)
         time.sleep(0.5)
@@ -192,7 +185,7 @@ def test_a_dead_rank_ends_the_job_without_hanging(tiny_store, tmp_path):
                 child.append(int(pid))
     assert child, "rank 1 never started"
     os.kill(child[0], signal.SIGKILL)
-    rc = p.wait(timeout=120)  # no hang: the launcher notices its dead rank
+    rc = p.wait(timeout=HANG_S)  # no hang: the launcher notices its dead rank
     assert rc != 0
     left = subprocess.run(["pgrep", "-f", f"train.run_dir={run}"], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
