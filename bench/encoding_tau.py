@@ -219,7 +219,7 @@ def _t975(df: int) -> float:
 
 
 def _bpt(store: Path) -> float:
-    from stages.store_tools import store_summary
+    from stages.inspect import store_summary
 
     s = store_summary(str(store))
     return s["disk_bytes"] / max(1, s["tokens"])

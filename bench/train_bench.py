@@ -24,10 +24,9 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from pipeline.config import Config, DrafterConfig, TrainConfig
-from pipeline.dflash2_train import build_drafter, drafter_loss
+from pipeline.train_step import build_drafter, step_loss
 from pipeline.drafter import DrafterArch
 from pipeline.masks import build_blocks, dense_mask, make_attend, sample_anchors
 
@@ -167,8 +166,9 @@ def build_case(arch: str, layers: int, vocab: int, S: int, n_anchors: int, chunk
     Shared with bench/long_bench.py."""
     types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
     cfg = Config(drafter=DrafterConfig(num_hidden_layers=layers, layer_types=types, sliding_window=2048,
-                                       block_size=16, arch=arch, max_position_embeddings=max(262144, S), **shape),
-                 train=TrainConfig(loss_chunk_rows=chunk))
+                                       block_size=16, arch=arch, max_position_embeddings=max(262144, S),
+                                       mask_token_id=248070 % vocab, **shape),
+                 train=TrainConfig(loss_chunk_rows=chunk, gamma=7.0))
     with torch.device(dev):
         drafter = build_drafter(cfg, [1, 16, 31, 46, 61], vocab)  # what `dflash train` builds
     H = drafter.arch.hidden_size
@@ -179,9 +179,10 @@ def build_case(arch: str, layers: int, vocab: int, S: int, n_anchors: int, chunk
     loss_mask = torch.ones(1, S, dtype=torch.bool, device=dev)
     loss_mask[:, :prompt] = False
     anchors = sample_anchors(loss_mask[0].cpu(), n_anchors, g)[None].to(dev)
-    blocks = build_blocks(tokens, loss_mask, anchors, bs, 248070 % vocab, 7.0)
+    blocks = build_blocks(tokens, loss_mask, anchors, bs, cfg.drafter.mask_token_id, cfg.train.gamma)  # FLOP count
     return SimpleNamespace(
         cfg=cfg, drafter=drafter, arch=drafter.arch, types=types, S=S, bs=bs, dev=dev, tokens=tokens, anchors=anchors,
+        loss_mask=loss_mask, seq_lens=torch.tensor([S], device=dev),
         blocks=blocks, Q=anchors.shape[1] * bs, ctx_pos=torch.arange(S, device=dev)[None],
         embed=torch.randn(vocab, H, device=dev, dtype=dtype) * 0.02, head=torch.randn(vocab, H, device=dev, dtype=dtype) * 0.02,
         feats=(torch.randn(1, S, 5 * H, generator=g) * 0.5).to(dev, dtype),
@@ -189,16 +190,12 @@ def build_case(arch: str, layers: int, vocab: int, S: int, n_anchors: int, chunk
 
 
 def train_step(c: SimpleNamespace, mode: str, model=None) -> torch.Tensor:
-    """One optimizer step of `dflash train` on the case (mode flex or sdpa; model: a compiled drafter); the loss."""
-    model = model or c.drafter
-    attend = make_attend(mode, anchors=c.anchors, block_size=c.bs, ctx_len=c.S, layer_types=c.types,
-                         sliding_window=2048, seq_lens=torch.tensor([c.S], device=c.dev))
+    """One optimizer step of `dflash train` on the case (mode flex or sdpa; model: a compiled drafter); the loss.
+    The forward is training's own (pipeline.train_step.step_loss: blocks, attention, drafter, loss)."""
     with torch.autocast(c.dev.type, dtype=torch.bfloat16, enabled=c.dev.type == "cuda"):
-        ctx = c.drafter.project_context(c.feats)
-        emb = F.embedding(c.blocks.input_ids, c.embed)
-        h = model(emb, ctx, c.blocks.positions, c.ctx_pos, attend)
-        loss_sum, _, _ = drafter_loss(c.drafter, h, c.head, c.blocks, c.tokens, c.cfg.train)  # DFlash or DFlash 2
-    loss = loss_sum / c.blocks.weights.sum()
+        loss_sum, _, blocks, _ = step_loss(c.drafter, c.tokens, c.loss_mask, c.anchors, c.seq_lens, c.feats, c.embed,
+                                           c.head, c.cfg, mode, model=model)  # DFlash or DFlash 2
+    loss = loss_sum / blocks.weights.sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(c.drafter.parameters(), 1.0)
     c.opt.step()

@@ -76,7 +76,7 @@ def flops_per_sample(config: str, layers: list[int], vocab: int, seq: int) -> fl
     """Useful FLOPs of one training sample of this store (train_bench's count for the config's drafter)."""
     from bench.train_bench import useful_flops
     from pipeline.config import load_config
-    from pipeline.dflash2_train import build_drafter
+    from pipeline.train_step import build_drafter
     from pipeline.masks import build_blocks, dense_mask, sample_anchors
 
     cfg = load_config(config)

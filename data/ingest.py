@@ -333,8 +333,12 @@ def _tokenize_full(
 
 
 def has_anchor(loss_mask: np.ndarray) -> bool:
-    """True when some position a has loss_mask[a] and loss_mask[a + 1] (a DFlash anchor exists)."""
-    return bool(len(loss_mask) > 1 and np.any(loss_mask[:-1] & loss_mask[1:]))
+    """True when the sample has a DFlash anchor (pipeline.masks.anchor_candidates is not empty)."""
+    import torch
+
+    from pipeline.masks import anchor_candidates
+
+    return anchor_candidates(torch.as_tensor(np.asarray(loss_mask))).numel() > 0
 
 
 def ingest(data_cfg: Any, tokenizer: Any) -> tuple[list[Sample], IngestReport]:

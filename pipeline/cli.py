@@ -211,7 +211,7 @@ def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
 def export(checkpoint, out, sglang, dtype, which):
     """Export a training checkpoint (a .ckpt file, or a run directory: its best checkpoint by val tau) to the
     directory SGLang, vLLM and transformers load."""
-    from stages.export_stage import run_export
+    from stages.export import run_export
 
     _run(run_export, checkpoint, out, which, sglang, dtype)
 
@@ -229,7 +229,7 @@ def status(path):
 @click.argument("store")
 def inspect(store):
     """Show a store: samples, tokens, bytes on disk and per token, compression per array, provenance, shards."""
-    from stages.store_tools import inspect_store
+    from stages.inspect import inspect_store
 
     _run(inspect_store, store)
 
@@ -238,7 +238,7 @@ def inspect(store):
 @click.argument("store")
 def verify(store):
     """Read every chunk of a store and check checksums, offsets, token ids, finite features, completeness."""
-    from stages.store_tools import verify_store
+    from stages.verify import verify_store
 
     _run(verify_store, store)
 
@@ -279,7 +279,7 @@ def eval_(drafter, config_path, overrides, store, online, out, device, cache, ma
 
     Writes OUT/report.json and PNG plots. Exits 1 if speculative output ever differs from greedy.
     """
-    from stages.evaluate import run_eval
+    from stages.eval import run_eval
 
     _run(run_eval, drafter, config_path, list(overrides), store, online, out, device, cache, max_samples, threads)
 

@@ -222,7 +222,7 @@ def normalised_loss(loss_sum: Tensor, weight_sum_global: Tensor, world_size: int
     gradient of sum_over_ranks(loss_sum) / W_global. Under gradient accumulation the caller passes the whole
     window's global weight sum instead (the loader's batch["window_weight"], summed over ranks) and multiplies
     by accumulate_grad_batches to undo Lightning's division, so the optimizer step sees the gradient of
-    sum_over_window_and_ranks(loss_sum) / W_window (stages/train_module.py: training_step).
+    sum_over_window_and_ranks(loss_sum) / W_window (stages/train_task.py: training_step).
     """
     return loss_sum / weight_sum_global.detach().to(torch.float32).clamp_min(eps) * world_size
 

@@ -41,6 +41,14 @@ FLEX_BLOCK = 128  # flex_attention's tile; lengths are padded to a multiple of i
 # ----------------------------------------------------------------------------------------------------------
 
 
+def anchor_candidates(loss_mask: Tensor) -> Tensor:
+    """THE anchor rule: positions a with loss_mask[a] and loss_mask[a+1] (a+1 < S), ascending. loss_mask: [S]
+    -> LongTensor [C]. Training draws from these (sample_anchors), eval spaces over or walks them
+    (stages/eval.select_anchors) and ingest drops samples without one (data/ingest.has_anchor)."""
+    m = loss_mask.bool()
+    return torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()
+
+
 def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torch.Generator] = None,
                    per_token: Optional[float] = None) -> Tensor:
     """Anchors for one sequence: uniform without replacement among a with m[a] and m[a+1] (a+1 < S); sorted.
@@ -52,9 +60,8 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torc
     has a candidate; num_anchors stays the cap (the padded width). Same candidates either way.
     A fresh generator state per epoch gives fresh anchors per epoch.
     """
-    m = loss_mask.bool()
-    cand = torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()  # [C] positions a with a+1 < S
-    n = num_anchors if per_token is None else min(num_anchors, max(1, round(per_token * int(m.sum()))))
+    cand = anchor_candidates(loss_mask)  # [C]
+    n = num_anchors if per_token is None else min(num_anchors, max(1, round(per_token * int(loss_mask.bool().sum()))))
     if cand.numel() > n:
         perm = torch.randperm(cand.numel(), generator=generator, device="cpu")[:n]
         cand = cand[perm.to(cand.device)]
@@ -123,7 +130,7 @@ def build_blocks(
 
 def loss_weight_sum(tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int, gamma: float) -> float:
     """The sum of `build_blocks`' loss weights for a batch: what the loader adds up over a gradient-accumulation
-    window, so the step can normalise by the window's weight (stages.train_module)."""
+    window, so the step can normalise by the window's weight (stages.train_task)."""
     return float(build_blocks(tokens, loss_mask, anchors, block_size, 0, gamma).weights.sum())
 
 def dflash_mask_mod(

@@ -35,7 +35,7 @@ DEMO_OVERRIDES: list[str] = [
 
 def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: bool = False,
              command: str = "dflash demo") -> int:
-    from stages.evaluate import run_eval
+    from stages.eval import run_eval
     from stages.extract import run_extract
     from stages.regenerate import run_regenerate
     from stages.train import run_train

@@ -11,12 +11,12 @@ Contract:
   FFN, head_dim, attention layer types and window, mask token) and, for DFlash 2, its extra shape keys.
 - Which exports fit which drafter (`drafter.arch`):
     DFlash export   -> dflash:  every weight (strict);
-    DFlash export   -> dflash2: the backbone (pipeline.dflash2_train.warm_start: convolutions identity,
+    DFlash export   -> dflash2: the backbone (pipeline.train_step.warm_start: convolutions identity,
                                 selector fresh);
     DFlash 2 export -> dflash2: every weight (strict);
     DFlash 2 export -> dflash:  refused (a DFlash drafter has no place for the convolutions and selector;
                                 set drafter.arch=dflash2).
-- The weights are copied by pipeline.dflash2_train.init_weights, from build_drafter on every rank (DDP then
+- The weights are copied by pipeline.train_step.init_weights, from build_drafter on every rank (DDP then
   starts all ranks from the same weights).
 """
 

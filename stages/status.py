@@ -31,7 +31,7 @@ def show_status(path: str, out=sys.stdout) -> int:
     except st.StoreError:
         attrs = None
     if attrs is not None:
-        from stages.store_tools import store_summary
+        from stages.inspect import store_summary
 
         s = store_summary(path)
         status = p / "logs" / "extract-status.json"

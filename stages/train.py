@@ -308,7 +308,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     from stages.best_checkpoint import BestCheckpoint
     from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
                                  ValidateAtEnd, resumable_csv_logger, save_final)
-    from stages.train_module import DrafterTask
+    from stages.train_task import DrafterTask
 
     strategy = ddp_strategy(cfg, use_gpu) if world > 1 else "auto"
     layer_ids, head = list(attrs["layer_ids"]), st.frozen_head_path(store_path)  # matched by _open_store
@@ -328,7 +328,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     from data.sampler import remaining_steps
 
     # the LR schedule's length: a fresh run's plan (a following run counts the samples the store will hold);
-    # a resumed run gets its schedule back from the checkpoint and adjusts it when the plan changed (train_module)
+    # a resumed run gets its schedule back from the checkpoint and adjusts it when the plan changed (train_task)
     planned = remaining_steps(sampler, cfg.train.epochs, cfg.train.accumulate_grad_batches, planned=bool(stream_epochs))
     if cfg.train.max_steps >= 0:
         planned = min(planned, cfg.train.max_steps)
@@ -399,7 +399,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
                    "val": getattr(task, "last_val", {}), "checkpoint": str(checkpoint_path)}
         if export:
             from stages.best_checkpoint import choose_checkpoint
-            from stages.export_stage import export_checkpoint
+            from stages.export import export_checkpoint
 
             val = summary["val"]  # the final validation's, when it ran at the last step (ValidateAtEnd)
             last_tau = val.get("val/tau") if val.get("step") == trainer.global_step else None

@@ -15,7 +15,7 @@ import torch
 from helpers_cli import TINY, dflash
 from pipeline.config import ConfigError
 from stages.best_checkpoint import BestCheckpoint, best_files, choose_checkpoint, resolve_checkpoint
-from stages.export_stage import checkpoint_kind
+from stages.export import checkpoint_kind
 
 
 def _ckpt(path: Path, step: int, tau, val_step=None) -> Path:

@@ -1,4 +1,4 @@
-"""DFlash 2 (pipeline/drafter2.py, the loss additions, pipeline/dflash2_train.py): the convolution and the selector
+"""DFlash 2 (pipeline/drafter2.py, the loss additions, pipeline/train_step.py): the convolution and the selector
 against the formulas written out element by element, the identity start, the chunked objective against an
 unchunked autograd reference, the config keys and the warm start."""
 
@@ -190,11 +190,11 @@ def test_selector_ce_equals_reference_with_gold_insertion():
 
 
 def test_training_loss_equals_full_logits_reference():
-    """The whole DFlash 2 objective of a training batch (pipeline.dflash2_train.drafter_loss) against full logits
+    """The whole DFlash 2 objective of a training batch (pipeline.train_step.drafter_loss) against full logits
     and autograd: base CE over transformed logits + alpha * selector CE, gradients into every parameter."""
     from types import SimpleNamespace
 
-    from pipeline.dflash2_train import drafter_loss, predecessor_ids
+    from pipeline.train_step import drafter_loss, predecessor_ids
 
     _, d2 = drafters(output_multiplier=0.8, final_logit_softcapping=4.0)
     d2 = randomise(d2.double(), scale=0.2)
@@ -251,7 +251,7 @@ def test_config_keys():
 
 
 def test_build_drafter_warm_start_and_alpha_zero(tmp_path):
-    from pipeline.dflash2_train import build_drafter
+    from pipeline.train_step import build_drafter
     from pipeline.export import export_drafter
 
     cfg = load_config(None, ["drafter.arch=dflash2", "drafter.selector_rank=8"])

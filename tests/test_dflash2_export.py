@@ -190,7 +190,7 @@ def test_selector_drafts_decode_losslessly_on_a_random_target():
 
 
 @pytest.mark.slow
-def test_dflash2_trains_resumes_exports_and_decodes_losslessly_on_the_tiny_target(tmp_path):
+def test_train_steps_resumes_exports_and_decodes_losslessly_on_the_tiny_target(tmp_path):
     """The whole pipeline with drafter.arch=dflash2: extract -> train (2 DDP ranks over gloo, a few steps) ->
     resume from the checkpoint -> export -> eval offline and online, lossless; the export is DFlash 2."""
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pipeline.drafter import DFlashDrafter, DrafterArch
-from stages.evaluate import offline_eval, select_anchors
+from stages.eval import offline_eval, select_anchors
 from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
 
 from helpers_cli import dflash as _dflash  # noqa: E402
@@ -242,7 +242,7 @@ def test_eval_reports_a_lossless_violation_loudly(monkeypatch, tmp_path, capsys)
     import stages.speculate as sp
     from pipeline.config import load_config
     from pipeline.export import export_drafter
-    from stages.evaluate import run_eval
+    from stages.eval import run_eval
 
     cfg = load_config(TINY)
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers_cli import dflash
-from pipeline.dflash2_train import drafter_loss
+from pipeline.train_step import drafter_loss
 from pipeline.drafter2 import DFlash2Arch, DFlash2Drafter
 from pipeline.masks import build_blocks
 from test_gpu_attention import BS, H, V, forward, make_arch, make_batch, rel_err

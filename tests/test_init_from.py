@@ -13,7 +13,7 @@ import torch
 
 from helpers_cli import TINY, dflash
 from pipeline.config import ConfigError, load_config
-from pipeline.dflash2_train import build_drafter
+from pipeline.train_step import build_drafter
 from pipeline.drafter import DFlashDrafter, DrafterArch
 from pipeline.export import export_drafter
 from stages.init_from import check_init_from, differences

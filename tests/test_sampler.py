@@ -1,6 +1,6 @@
 """The epoch plans of data/sampler.py: every sample once per epoch on one rank, fillers, resume at any world
 size, the next epoch found without Lightning's set_epoch, the optimizer steps left, and the LR schedule's
-replan (stages/train_module.WarmupCosine)."""
+replan (stages/train_task.WarmupCosine)."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_remaining_steps_follow_lightnings_accumulation_windows():
 
 
 def test_warmup_cosine_replan_keeps_the_rate_continuous():
-    from stages.train_module import WarmupCosine
+    from stages.train_task import WarmupCosine
 
     plain = WarmupCosine(100, 0.04)
     ref = [plain(s) for s in range(101)]

@@ -55,7 +55,7 @@ def test_ddp_two_processes_learns_without_target(tiny_store, tmp_path):
 def test_export_matches_trained_module(tiny_store, tmp_path):
     from pipeline.export import load_exported
     from pipeline.masks import make_attend
-    from stages.export_stage import export_checkpoint, load_checkpoint_drafter
+    from stages.export import export_checkpoint, load_checkpoint_drafter
 
     run = tmp_path / "run"
     dflash(*_train_args(tiny_store, run, "--set", "train.max_steps=3", "--no-export"))
@@ -194,7 +194,7 @@ def test_a_dead_rank_ends_the_job_without_hanging(tiny_store, tmp_path):
 def test_compute_dtype_follows_precision():
     """bf16 frozen head and features only under a bf16 precision on GPU: a "32-true" GPU run has fp32 layers
     and no autocast, and bf16 inputs made its first linear fail."""
-    from stages.train_module import compute_dtype
+    from stages.train_task import compute_dtype
 
     assert compute_dtype("cuda", "bf16-mixed") == torch.bfloat16 and compute_dtype("cuda", "bf16-true") == torch.bfloat16
     assert compute_dtype("cuda", "32-true") == torch.float32 and compute_dtype("cpu", "bf16-mixed") == torch.float32
@@ -210,7 +210,7 @@ def test_gradient_accumulation_normalises_over_the_window(tiny_store, tmp_path):
     from pipeline import store as st
     from pipeline.config import load_config
     from stages.train import _dataloaders, check_store_matches
-    from stages.train_module import DrafterTask
+    from stages.train_task import DrafterTask
 
     cfg = load_config(TINY, ["train.batch_size=1", "train.accumulate_grad_batches=3", "train.num_workers=0",
                              f"train.run_dir={tmp_path}"])
@@ -255,7 +255,7 @@ def test_final_checkpoint_is_written_before_the_weights_are_freed(tiny_store, tm
     from pipeline.config import load_config
     from stages.progress import FinalCheckpoint
     from stages.train import _dataloaders, check_store_matches
-    from stages.train_module import DrafterTask
+    from stages.train_task import DrafterTask
 
     cfg = load_config(TINY, ["train.batch_size=4", "train.num_workers=0", f"train.run_dir={tmp_path}"])
     attrs = st.read_root_attrs(tiny_store)
@@ -317,7 +317,7 @@ def test_lr_schedule_is_linear_warmup_then_cosine_to_zero_and_norms_skip_decay(t
     from pipeline import store as st
     from pipeline.config import load_config
     from stages.train import check_store_matches
-    from stages.train_module import DrafterTask
+    from stages.train_task import DrafterTask
 
     cfg = load_config(TINY, ["train.lr=1e-3", "train.warmup_ratio=0.04", "train.weight_decay=0.01"])
     attrs = st.read_root_attrs(tiny_store)

@@ -29,11 +29,10 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import Config
-from pipeline.dflash2_train import build_drafter, drafter_loss
+from pipeline.train_step import build_drafter, step_loss
 from pipeline.encoding import decode
 from pipeline.errors import NonFiniteLoss
 from pipeline.loss import acceptance_length, normalised_loss
-from pipeline.masks import build_blocks, make_attend
 
 
 def compute_dtype(device_type: str, precision: str) -> torch.dtype:
@@ -182,20 +181,13 @@ class DrafterTask(L.LightningModule):
         return x.flatten(2)  # [B, S, L*H]
 
     def _forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        cfg = self.cfg
-        tokens, loss_mask, anchors = batch["tokens"], batch["loss_mask"], batch["anchors"]
-        B, S = tokens.shape
-        blocks = build_blocks(tokens, loss_mask, anchors, self.bs, cfg.drafter.mask_token_id, cfg.train.gamma)
+        tokens, anchors = batch["tokens"], batch["anchors"]
+        B = tokens.shape[0]
         kind = "flex" if self.device.type == "cuda" else "sdpa"
-        attend = make_attend(kind, anchors=anchors, block_size=self.bs, ctx_len=S, layer_types=self.arch.layer_types,
-                             sliding_window=self.arch.sliding_window, seq_lens=batch["seq_lens"])
-        feats = self._features(batch)
-        block_embeds = torch.nn.functional.embedding(blocks.input_ids, self._embed)  # [B, Q, H]
-        ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)
-        ctx = self.drafter.project_context(feats)  # [B, S, H]
-        hidden = self.drafter(block_embeds, ctx, blocks.positions, ctx_pos, attend)  # [B, Q, H]
+        loss_sum, correct, blocks, extra = step_loss(self.drafter, tokens, batch["loss_mask"], anchors,
+                                                     batch["seq_lens"], self._features(batch), self._embed,
+                                                     self._head, self.cfg, kind)
         labels, weights = blocks.labels.reshape(-1), blocks.weights.reshape(-1)
-        loss_sum, correct, extra = drafter_loss(self.drafter, hidden, self._head, blocks, tokens, cfg.train)
         slot = torch.arange(self.bs, device=tokens.device).repeat(B * anchors.shape[1])
         valid = labels >= 0
         counts = torch.zeros(self.bs, device=tokens.device).index_add_(0, slot[valid], torch.ones_like(slot[valid], dtype=torch.float32))

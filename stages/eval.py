@@ -46,6 +46,7 @@ from pipeline.config import Config, ConfigError, config_from_dict, load_config, 
 from pipeline.drafter import draft_blocks
 from pipeline.encoding import decode, from_storage, part_names
 from pipeline.loss import acceptance_length
+from pipeline.masks import anchor_candidates
 from stages.eval_plots import read_metrics, write_plots
 from stages.eval_online import run_online
 
@@ -97,7 +98,7 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
         origin = {k: extra[k] for k in ("checkpoint", "step", "selected", "val_tau") if k in extra}
         return drafter, DrafterSource(str(p), "export", run_dir, extra.get("store"), None, None, origin)
     if p.is_file():
-        from stages.export_stage import checkpoint_kind, load_checkpoint_drafter
+        from stages.export import checkpoint_kind, load_checkpoint_drafter
 
         drafter, meta = load_checkpoint_drafter(str(p), device)
         drafter = drafter.to(dtype)
@@ -139,9 +140,8 @@ def resolve_config(src: DrafterSource, config_path: Optional[str], overrides: li
 
 
 def select_anchors(loss_mask: Tensor, max_anchors: int) -> Tensor:
-    """Positions a with m[a] and m[a+1]; at most max_anchors, evenly spaced over them (deterministic)."""
-    m = loss_mask.bool()
-    cand = torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()
+    """The anchor candidates (pipeline.masks.anchor_candidates); at most max_anchors, evenly spaced over them."""
+    cand = anchor_candidates(loss_mask)
     if cand.numel() > max_anchors:
         idx = torch.linspace(0, cand.numel() - 1, max_anchors).round().long().unique()
         cand = cand[idx]

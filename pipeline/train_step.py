@@ -1,6 +1,11 @@
-"""The training side of the drafter choice (`drafter.arch`: dflash | dflash2), kept out of the Lightning module.
+"""The drafter's training step, either arch (`drafter.arch`: dflash | dflash2), kept out of the Lightning module.
 
-Contract (stages/train_module.py calls these two and nothing else of DFlash 2):
+Contract (stages/train_task.py, bench/train_bench.py and bench/long_bench.py call these and nothing else of it):
+- `step_loss(drafter, tokens, loss_mask, anchors, seq_lens, feats, embed, head, cfg, kind)` -> (loss_sum,
+  correct, blocks, extra): THE training forward, a pure function of the batch: blocks from the anchors
+  (pipeline.masks.build_blocks), the attention of `kind` (flex on CUDA, sdpa on CPU), the drafter, then
+  `drafter_loss`. Training and validation (stages/train_task.py) and the step benches run this one function;
+  the caller normalises loss_sum (by the weight sum, over all ranks) and steps the optimizer.
 - `build_drafter(cfg, layer_ids, vocab_size)` -> the drafter of cfg.drafter.arch, initialised from the current
   torch seed (a DFlash 2 backbone draws exactly what a DFlash drafter would: same seed, same backbone), then,
   if drafter.init_from names a trained DFlash export (ours or a published one), its backbone weights are
@@ -21,14 +26,17 @@ Contract (stages/train_module.py calls these two and nothing else of DFlash 2):
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.config import Config, ConfigError
 from pipeline.drafter import DFlashDrafter, DrafterArch
 from pipeline.drafter2 import DFlash2Arch, DFlash2Drafter
 from pipeline.loss import chunked_weighted_ce, chunked_weighted_ce_topk, selector_ce
+from pipeline.masks import Blocks, build_blocks, make_attend
 
 
 def build_drafter(cfg: Config, layer_ids: list[int], vocab_size: int) -> DFlashDrafter:
@@ -104,6 +112,25 @@ def warm_start(drafter: DFlash2Drafter, path: str, source: str = "<config>") -> 
     with torch.no_grad():
         for k, v in backbone.items():
             own[k].copy_(v)
+
+
+def step_loss(drafter: nn.Module, tokens: Tensor, loss_mask: Tensor, anchors: Tensor, seq_lens: Tensor, feats: Tensor,
+              embed: Tensor, head: Tensor, cfg: Config, kind: str,
+              model: Optional[nn.Module] = None) -> tuple[Tensor, Tensor, Blocks, dict]:
+    """One training forward. tokens/loss_mask [B, S], anchors [B, N] (padded with -1), seq_lens [B],
+    feats [B, S, L*H] (decoded target features), embed/head [V, H] frozen; kind "flex" | "sdpa";
+    model: a compiled wrapper of drafter, if any. -> (loss_sum, correct [B*Q], blocks, extra), Q = N * block."""
+    B, S = tokens.shape
+    bs = drafter.arch.block_size
+    blocks = build_blocks(tokens, loss_mask, anchors, bs, cfg.drafter.mask_token_id, cfg.train.gamma)  # [B, Q] each
+    attend = make_attend(kind, anchors=anchors, block_size=bs, ctx_len=S, layer_types=drafter.arch.layer_types,
+                         sliding_window=drafter.arch.sliding_window, seq_lens=seq_lens)
+    ctx = drafter.project_context(feats)  # [B, S, H]
+    block_embeds = F.embedding(blocks.input_ids, embed)  # [B, Q, H]
+    ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)
+    hidden = (model or drafter)(block_embeds, ctx, blocks.positions, ctx_pos, attend)  # [B, Q, H]
+    loss_sum, correct, extra = drafter_loss(drafter, hidden, head, blocks, tokens, cfg.train)
+    return loss_sum, correct, blocks, extra
 
 
 def predecessor_ids(tokens: Tensor, positions: Tensor) -> Tensor:
