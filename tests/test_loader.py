@@ -8,31 +8,17 @@ import torch
 
 from data.store_dataset import RankBatchSampler, StoreDataset
 from pipeline import store as st
-from pipeline.encoding import encode
 
 from helpers_cli import HANG_S  # noqa: E402
+from helpers_store import synthetic_store  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def small_store(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("loader") / "s.zarr")
-    prov = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_size": 64, "vocab_size": 100,
-            "num_hidden_layers": 8, "tie_word_embeddings": False}, "layer_ids": [1, 3], "hidden_size": 64,
-            "encoding": "int5", "chunk_tokens": 64, "clevel": 1, "num_shards": 1,
-            "dataset": {"fingerprint": "t", "validation_samples": 0}, "max_length": 256}
-    st.create_or_open_store(path, prov)
-    w = st.ShardWriter(path, 0, prov)
     g = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in torch.randint(40, 200, (12,), generator=g)]
-    w.start("plan", len(lengths), sum(lengths))
-    for i, n in enumerate(lengths):
-        parts = {k: v.numpy() for k, v in encode(torch.randn(n, 2, 64, generator=g), "int5").items()}
-        mask = np.ones(n, np.uint8)
-        mask[:10] = 0  # a prompt: no anchors there
-        w.write_batch(np.array([i + 1], np.uint64), np.zeros(1, np.uint8), np.array([n], np.int32),
-                      np.arange(n, dtype=np.int32) % 100, mask, parts)
-    w.finish()
-    return path, lengths
+    path = synthetic_store(str(tmp_path_factory.mktemp("loader") / "s.zarr"), lengths, prompt=lambda n: 10)
+    return path, lengths  # a prompt of 10 tokens each: no anchors there
 
 
 def test_rank_batches_split_each_epoch_evenly_and_reshuffle():

@@ -63,26 +63,11 @@ def test_long_sample_through_the_loader(tmp_path):
     """A store holding an 8,200-token sample next to a short one: the dataset reads it whole, anchors land in
     its labelled part only, collate pads both to the 128-multiple of the longest, seq_lens keep the truth."""
     from data.store_dataset import StoreDataset, collate
-    from pipeline import store as st
-    from pipeline.encoding import encode
+    from helpers_store import synthetic_store
 
-    path = str(tmp_path / "long.zarr")
-    prov = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_size": 32, "vocab_size": 100,
-            "num_hidden_layers": 8, "tie_word_embeddings": False}, "layer_ids": [1, 3], "hidden_size": 32,
-            "encoding": "int5", "chunk_tokens": 1024, "clevel": 1, "num_shards": 1,
-            "dataset": {"fingerprint": "t", "validation_samples": 0}, "max_length": 16384}
-    st.create_or_open_store(path, prov)
-    w = st.ShardWriter(path, 0, prov)
     lengths, prompt = [8200, 150], 1000
-    w.start("plan", len(lengths), sum(lengths))
-    g = torch.Generator().manual_seed(0)
-    for i, n in enumerate(lengths):
-        parts = {k: v.numpy() for k, v in encode(torch.randn(n, 2, 32, generator=g), "int5").items()}
-        mask = np.ones(n, np.uint8)
-        mask[: min(prompt, n // 2)] = 0
-        w.write_batch(np.array([i + 1], np.uint64), np.zeros(1, np.uint8), np.array([n], np.int32),
-                      np.arange(n, dtype=np.int32) % 100, mask, parts)
-    w.finish()
+    path = synthetic_store(str(tmp_path / "long.zarr"), lengths, prompt=lambda n: min(prompt, n // 2), hidden=32,
+                           chunk_tokens=1024, max_length=16384)
     ds = StoreDataset(path, [0, 1], num_anchors=512, seed=0, anchors_per_token=512 / 16384)
     items = [ds[0], ds[1]]
     assert items[0]["tokens"].shape == (8200,) and int(items[0]["anchors"].min()) >= prompt
