@@ -24,9 +24,11 @@ def test_non_editable_install_finds_its_default_config_outside_a_checkout(tmp_pa
     for name in ("pipeline", "stages", "data", "configs"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     prefix = tmp_path / "prefix"
-    # no dependencies and no build isolation: the test venv already has them and setuptools (no network here)
+    # no dependencies and no build isolation: the test venv already has them and setuptools (no network here).
+    # --ignore-installed: without it pip first uninstalls the venv's own (editable) dflash, and every later test
+    # that runs a script outside the checkout's root could no longer import the project
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--prefix", str(prefix), str(src)], capture_output=True, text=True)
+                        "--ignore-installed", "--prefix", str(prefix), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     site = Path(sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)}))
     assert sorted(p.name for p in (prefix / "share" / "dflash" / "configs").glob("*.yaml")) == sorted(
@@ -48,3 +50,6 @@ def test_non_editable_install_finds_its_default_config_outside_a_checkout(tmp_pa
     r = subprocess.run([str(prefix / "bin" / "dflash"), "--help"], cwd=elsewhere, env=env, capture_output=True,
                        text=True)
     assert r.returncode == 0 and "extract" in r.stdout and "train" in r.stdout, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "pip", "show", "dflash"], capture_output=True, text=True)
+    assert r.returncode == 0 and "Editable project location" in r.stdout  # the test venv's install is untouched
+
