@@ -214,6 +214,7 @@ def test_resumed_store_is_bitwise_equal_with_same_plan(tmp_path):
     assert _store_content(store) == _store_content(ref)
 
 
+@pytest.mark.slow  # eight extract subprocesses: ~23 s
 def test_refusals(tmp_path, tiny_store_copy):
     two_shard_store = tiny_store_copy
     r = dflash("extract", "--config", TINY, "--shards", "2", "--store", two_shard_store, *SMALL,

@@ -37,7 +37,8 @@ def features(path):
     return out
 
 
-@pytest.mark.parametrize("encoding,max_err", [("int5", 0.06), ("int4+int8last", 0.12)])
+@pytest.mark.parametrize("encoding,max_err", [("int5", 0.06),
+                                              pytest.param("int4+int8last", 0.12, marks=pytest.mark.slow)])
 def test_recode_keeps_samples_and_features_and_is_inspectable(src, tmp_path, encoding, max_err):
     dst = str(tmp_path / "dst.zarr")
     r = dflash("recode", src, dst, "--encoding", encoding)
@@ -88,6 +89,7 @@ def test_recode_resumes_after_a_crash(src, tmp_path, monkeypatch):
                                   zarr.open_group(dst, mode="r")[f"{shard}/{name}"][:n])
 
 
+@pytest.mark.slow  # recode subprocesses: ~14 s
 def test_recode_refusals(src, tmp_path):
     r = dflash("recode", src, src, "--encoding", "int4", check=False)
     assert r.returncode == 2 and "DST must differ from SRC" in r.stderr

@@ -52,6 +52,7 @@ def test_ddp_two_processes_learns_without_target(tiny_store, tmp_path):
     assert json.loads((run / "progress.json").read_text())["state"] == "finished"
 
 
+@pytest.mark.slow  # a dflash train subprocess (or several): 8-25 s
 def test_export_matches_trained_module(tiny_store, tmp_path):
     from pipeline.export import load_exported
     from pipeline.masks import make_attend
@@ -84,6 +85,7 @@ def test_export_matches_trained_module(tiny_store, tmp_path):
         assert torch.equal(p, q), name
 
 
+@pytest.mark.slow  # a dflash train subprocess (or several): 8-25 s
 def test_one_progress_line_per_step_and_one_checkpoint_file(tiny_store, tmp_path):
     """With gradient accumulation several batches end at one optimizer step: the log gets one line per step.
     A checkpoint written at the last step is not written again: last.ckpt links it (no second full copy)."""
@@ -139,6 +141,7 @@ def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
     assert r.returncode == 0
 
 
+@pytest.mark.slow  # a dflash train subprocess (or several): 8-25 s
 def test_refusals(tiny_store, tmp_path):
     run = tmp_path / "run"
     r = dflash(*_train_args(tiny_store, run, "--set", "drafter.hidden_size=64"), check=False)
@@ -157,6 +160,7 @@ def test_refusals(tiny_store, tmp_path):
     assert r.returncode == 2 and "dflash extract" in r.stderr
 
 
+@pytest.mark.slow  # a dflash train subprocess (or several): 8-25 s
 def test_nonfinite_loss_stops_with_step_and_hint(tiny_store, tmp_path):
     run = tmp_path / "run"
     r = dflash(*_train_args(tiny_store, run, "--set", "train.lr=1.0e+30", "--set", "train.warmup_ratio=0.0",
