@@ -11,7 +11,8 @@
 #   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
 #   bash bench/device_run.sh startup e2emfu ddpopts                          (issue 22, in this order: 2 GPUs)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
-#   FT_SEEDS=8 FT_DELAY=3 bash bench/device_run.sh followtau                 (issue 17's tau pairs on host CPUs, ~8 min)
+#   FT_SEEDS=8 FT_DELAY=3 bash bench/device_run.sh followtau                 (issue 17's tau pairs on host CPUs, 800 samples;
+#        the full 3,236 with a 3 s delay per batch did not finish a pair in 8 min)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
 [ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
@@ -70,7 +71,7 @@ for part in "$@"; do
                 # (own stores; 2 threads each), extraction slowed by FT_DELAY s a batch so training really follows
       for s in $(seq 0 $((${FT_SEEDS:-8} - 1))); do
         OMP_NUM_THREADS=2 timeout ${FT_LIMIT:-520} python3 bench/follow_tau.py --out /tmp/ft/s$s --seeds $s \
-          --delay ${FT_DELAY:-3} > /tmp/ft-s$s.log 2>&1 &
+          --delay ${FT_DELAY:-3} --extract-set data.max_samples=${FT_SAMPLES:-800} > /tmp/ft-s$s.log 2>&1 &
       done; wait
       cat /tmp/ft/s*/results.jsonl > "$OUT/follow_tau.jsonl" 2>/dev/null; wc -l < "$OUT/follow_tau.jsonl"
       python3 -c "import json,sys; sys.path.insert(0,'.'); from bench.follow_tau import summarize; \
