@@ -132,10 +132,14 @@ def _until(cond, what: str, proc=None) -> None:
         time.sleep(0.3)
 
 
-def _committed_train(store: str) -> int:
-    if st.read_root_attrs(store) is None:
+def _readable_train(store: str) -> int:
+    """Training samples a following run can read now: the commit-order stream's length once the validation split
+    is in (0 before). Not the committed count: a shard that lags holds the stream up, and a test that stops
+    the extraction on the committed count alone could leave a follower waiting for rows that never come."""
+    if st.read_root_attrs(store) is None or not st.exists(st.frozen_head_path(store)):
         return 0
-    return sum(sum(r.split == 0 for r in st.committed_refs(store, i)[1]) for i in range(2))
+    g = GrowingStore(store, report=False)
+    return len(g.stream) if g.validation_ready() else 0
 
 
 def _lines(run: Path, rank: int) -> list[dict]:
@@ -168,7 +172,7 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
              "--set", "train.epochs=3", "--set", "train.checkpoint_every=4", "--set", "train.log_every=1",
              "--set", "train.follow_buffer=0"]  # no shuffle buffer: epoch 0 is the stream's own order
     x = _cli(*extract, env=slow)
-    _until(lambda: _committed_train(store) >= 40, "40 committed training samples", x)
+    _until(lambda: _readable_train(store) >= 40, "40 readable training samples", x)  # the run needs 16
     os.killpg(x.pid, signal.SIGINT)  # Ctrl-C: the workers commit what they have and stop
     assert x.wait(timeout=LONG) == 130
     assert not all((st.shard_progress(store, i) or st.Progress()).done for i in range(2))
@@ -262,7 +266,7 @@ def test_train_on_an_unfinished_store_says_it_follows(tmp_path):
     store, run = str(tmp_path / "s.zarr"), tmp_path / "run"
     x = _cli("extract", "--config", TINY, "--shards", "2", "--store", store, "--set", "data.max_samples=200",
              "--set", "extract.token_budget=1024", env={**ENV, "DFLASH_TEST_EXTRACT_DELAY": "0.5"})
-    _until(lambda: _committed_train(store) >= 20, "20 committed training samples", x)
+    _until(lambda: _readable_train(store) >= 20, "20 readable training samples", x)  # the run needs 4 + 8
     os.killpg(x.pid, signal.SIGINT)
     assert x.wait(timeout=LONG) == 130
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--no-export",
