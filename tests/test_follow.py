@@ -136,7 +136,12 @@ def _readable_train(store: str) -> int:
     """Training samples a following run can read now: the commit-order stream's length once the validation split
     is in (0 before). Not the committed count: a shard that lags holds the stream up, and a test that stops
     the extraction on the committed count alone could leave a follower waiting for rows that never come."""
-    if st.read_root_attrs(store) is None or not st.exists(st.frozen_head_path(store)):
+    try:  # the extraction may be creating the store right now: a group without its attributes yet
+        if st.read_root_attrs(store) is None or not st.exists(st.frozen_head_path(store)):
+            return 0
+    except st.StoreDataError:  # a damaged provenance is a failure, not "not yet"
+        raise
+    except st.StoreError:
         return 0
     g = GrowingStore(store, report=False)
     return len(g.stream) if g.validation_ready() else 0
