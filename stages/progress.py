@@ -102,6 +102,44 @@ class ProgressLines(L.Callback):
         tmp.replace(self.run_dir / "progress.json")
 
 
+class StopRequest:
+    """Whether this process was asked to stop (Ctrl-C or SIGTERM), recorded when the signal arrives.
+
+    A stop's first sign is not always a KeyboardInterrupt out of `trainer.fit`: a rank blocked in a collective
+    gets its KeyboardInterrupt only when the collective returns, and it returns with an error once the other rank
+    left it (gloo: "Connection closed by peer"); Lightning's DDP teardown after a Ctrl-C can fail the same way; a
+    loader worker killed by the same Ctrl-C surfaces as a RuntimeError. `dflash train` then exited 1 with a
+    traceback instead of 130 with its resume hint (seen in CI). `install()` (main thread, before fit) makes
+    Ctrl-C raise KeyboardInterrupt as Python's own handler does, after recording it; SIGTERM is recorded by
+    `SigtermLikeCtrlC`. `reason` is None until a stop was asked for."""
+
+    reason: str | None = None
+
+    @classmethod
+    def record(cls, reason: str) -> None:
+        if cls.reason is None:
+            cls.reason = reason
+
+    @classmethod
+    def install(cls) -> None:
+        def on_ctrl_c(_signum, _frame):
+            cls.record("Ctrl-C")
+            raise KeyboardInterrupt
+
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when the shell ignores Ctrl-C
+            signal.signal(signal.SIGINT, on_ctrl_c)
+
+
+def stopped_by_user(exc: BaseException, trainer) -> bool:
+    """Did `exc`, out of `trainer.fit`, end a run that Ctrl-C or SIGTERM stopped? (-> exit 130 with the resume
+    hint.) Lightning's own stop is a SystemExit/KeyboardInterrupt of an interrupted trainer; any other error
+    after a recorded stop request is a consequence of that stop (see `StopRequest`)."""
+    if isinstance(exc, (SystemExit, KeyboardInterrupt)) and (
+            getattr(trainer, "received_sigterm", False) or trainer.interrupted):
+        return True
+    return StopRequest.reason is not None
+
+
 class ForceOnSecondCtrlC(L.Callback):
     """After the first Ctrl-C Lightning sets SIGINT to *ignored* while it shuts down (and a DDP teardown can
     wait on a rank for a long time). This puts a handler back, so a second Ctrl-C exits at once with 130;
@@ -240,6 +278,7 @@ class SigtermLikeCtrlC(L.Callback):
             return
 
         def handler(signum, _frame):
+            StopRequest.record("SIGTERM")
             trainer._signal_connector.received_sigterm = True
             raise KeyboardInterrupt(f"signal {signum}")
 

@@ -306,8 +306,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from stages.best_checkpoint import BestCheckpoint
-    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC,
-                                 ValidateAtEnd, resumable_csv_logger, save_final)
+    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC, StopRequest,
+                                 ValidateAtEnd, resumable_csv_logger, save_final, stopped_by_user)
     from stages.train_task import DrafterTask
 
     strategy = ddp_strategy(cfg, use_gpu) if world > 1 else "auto"
@@ -383,15 +383,19 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "command.txt").write_text(command + "\n")
     head_check()  # the frozen head's checksum, overlapped with the set-up above
+    StopRequest.install()
     try:
         trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
-    except (SystemExit, KeyboardInterrupt):  # Lightning turns SIGTERM and Ctrl-C into SystemExit
-        if getattr(trainer, "received_sigterm", False) or trainer.interrupted:
-            hint = resume_command(command)
-            print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
-                  f"resume with: {hint}", file=sys.stderr)
-            return 130
-        raise
+    except BaseException as e:  # Lightning turns SIGTERM and Ctrl-C into SystemExit
+        if not stopped_by_user(e, trainer):
+            raise
+        if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # a collective or loader the stop cut short
+            print(f"train: {type(e).__name__} while stopping after {StopRequest.reason} (a consequence of the "
+                  f"stop): {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        hint = resume_command(command)
+        print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
+              f"resume with: {hint}", file=sys.stderr)
+        return 130
     if not final.saved:  # fit returned without on_train_end (nothing to train: resumed at the last step)
         save_final(trainer, checkpoint, checkpoint_path)
     if trainer.is_global_zero:
