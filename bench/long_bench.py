@@ -22,6 +22,8 @@ import time
 import torch
 from train_bench import TINY, build_case, sync, train_step
 
+from pipeline.compile_setup import inductor_workarounds
+
 POINTS = "2048:512,8192:512,16384:512,16384:2048"
 
 
@@ -36,6 +38,7 @@ def run_point(S: int, A: int, a: argparse.Namespace, shape: dict) -> dict:
     c = build_case(a.arch, a.layers, a.vocab, S, A, a.chunk, dev, shape)
     mode = "flex" if dev.type == "cuda" else "sdpa"
     if mode == "flex":
+        inductor_workarounds()  # as `dflash train` (pipeline/compile_setup.py)
         c.drafter.compile_layers()  # what `dflash train` does
     t0 = time.perf_counter()
     loss = train_step(c, mode)

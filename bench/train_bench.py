@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import torch
 
+from pipeline.compile_setup import inductor_workarounds
 from pipeline.config import Config, DrafterConfig, TrainConfig
 from pipeline.train_step import build_drafter, step_loss
 from pipeline.drafter import DrafterArch
@@ -118,6 +119,7 @@ def main() -> None:
         if mode == "flex" and a.compile == "whole":
             model = torch.compile(drafter)
         elif mode == "flex":
+            inductor_workarounds()  # as `dflash train` (pipeline/compile_setup.py)
             drafter.compile_layers()  # what `dflash train` does
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

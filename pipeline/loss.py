@@ -53,6 +53,9 @@ def _ce_chunk_fn(cuda: bool):
     if not cuda:
         return _ce_chunk
     if not _COMPILED_CHUNK:
+        from pipeline.compile_setup import inductor_workarounds
+
+        inductor_workarounds()
         _COMPILED_CHUNK.append(torch.compile(_ce_chunk, dynamic=True))
     return _COMPILED_CHUNK[0]
 

@@ -199,6 +199,9 @@ def _flex_attention(compile: bool):
     if not compile:
         return flex_attention
     if "flex_attention" not in _COMPILED:
+        from pipeline.compile_setup import inductor_workarounds
+
+        inductor_workarounds()
         _COMPILED["flex_attention"] = torch.compile(flex_attention)
     return _COMPILED["flex_attention"]
 
@@ -365,21 +368,3 @@ def make_attend(
         return out[:, :, :Q]
 
     return attend_flex
-
-
-def loud_recompiles(limit: Optional[int] = None) -> None:
-    """Make dynamo recompiles visible and hitting the recompile limit an error instead of a silent slow path."""
-    import torch._dynamo
-    import torch._logging
-
-    torch._logging.set_logs(recompiles=True)
-    cfg = torch._dynamo.config
-    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, True)
-            break
-    if limit is not None:
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, limit)
-                break

@@ -110,13 +110,13 @@ class DrafterTask(L.LightningModule):
         self._load_head()
         mode = self.cfg.train.compile
         if mode == "on" or (mode == "auto" and self.device.type == "cuda"):
-            from pipeline.masks import loud_recompiles
+            from pipeline.compile_setup import prepare_compile
 
             # a recompile storm fails loudly instead of silently running eager. The limit counts the layer's
             # legitimate variants: input requires_grad (first layer or not) x layer type x grad mode (training
             # or validation) x static then dynamic shapes = up to 16. A tiny CPU run with compile on (varying
             # lengths, one batch of 1, validation) already needs 8, dynamo's default.
-            loud_recompiles(limit=16)
+            prepare_compile(limit=16)  # and Inductor workarounds (pipeline/compile_setup.py)
             self.drafter.compile_layers()  # regional compilation (see DFlashDrafter.compile_layers)
 
     def on_train_start(self) -> None:  # after the checkpoint's states are restored

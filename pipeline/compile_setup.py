@@ -1,0 +1,64 @@
+"""Process-wide torch.compile settings that `dflash train` and the benchmarks apply before compiling anything.
+
+Contract: `prepare_compile(limit)` is idempotent and changes no model math.
+- Recompiles are logged, and reaching the recompile limit is an error instead of a silent fall-back to
+  eager (`loud_recompiles`).
+- `inductor_workarounds()` works around Inductor bugs of the torch versions we run, each one found by
+  feature detection rather than by version number, so a torch that has no such bug is left alone:
+  * "no x dim" persistent reductions (torch 2.11; gone by 2.13). For a persistent inner reduction of 256 or more
+    elements, Inductor's Triton code generator may drop the kernel's X dimension. Then an index expression that
+    still uses an X variable fails in `get_block_shape` with `TypeError: list indices must be integers or slices,
+    not NoneType`. The 27B-shape training step hit this at 8K-token samples on torch 2.11; 2K compiled. Newer
+    torch keeps the X dimension unless a kernel's fixed config asks otherwise; its `InductorChoices` no longer
+    has `want_no_x_dim`. Where it has, we make `InductorChoices.want_no_x_dim` answer no, as newer torch
+    does by default. The heuristic only chooses a kernel layout ("strangely this is faster than a [1, RBLOCK]
+    block in some cases", says its docstring), so results are unchanged. That this was the 8K failure's only
+    cause is still to be confirmed on the GPU (docs/benchmarks.md, long samples).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def loud_recompiles(limit: Optional[int] = None) -> None:
+    """Make dynamo recompiles visible and hitting the recompile limit an error instead of a silent slow path."""
+    import torch._dynamo
+    import torch._logging
+
+    torch._logging.set_logs(recompiles=True)
+    cfg = torch._dynamo.config
+    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, True)
+            break
+    if limit is not None:
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, limit)
+                break
+
+
+def inductor_workarounds() -> list[str]:
+    """Install the workarounds this torch needs (see the module contract); -> the names of those installed."""
+    from torch._inductor.choices import InductorChoices
+
+    installed = []
+    if hasattr(InductorChoices, "want_no_x_dim"):
+        # on the class, not through `V.set_choices_handler`: that handler is per thread, and a backward compiled
+        # lazily runs in autograd's device thread; nor through `config.inductor_choices_class`, part of the
+        # compiled-graph cache key
+        if not getattr(InductorChoices.want_no_x_dim, "dflash_keeps_x_dim", False):
+            def want_no_x_dim(features) -> bool:
+                return False
+
+            want_no_x_dim.dflash_keeps_x_dim = True
+            InductorChoices.want_no_x_dim = staticmethod(want_no_x_dim)
+        installed.append("keep_x_dim")
+    return installed
+
+
+def prepare_compile(limit: Optional[int] = None) -> list[str]:
+    """Everything above, once per process before the first compile; -> the workarounds installed."""
+    loud_recompiles(limit)
+    return inductor_workarounds()
