@@ -31,11 +31,14 @@ from data.follow import StreamSlot
 def window_plan(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, shuffle: bool = True,
                 group_factor: int = 32) -> list[list[int]]:
     """An epoch's global batches (positions into `lengths`): shuffled, then sorted by length inside windows of
-    batch_size * group_factor samples (little padding, still random overall), batches shuffled."""
+    batch_size * group_factor samples (little padding, still random overall), batches shuffled. group_factor 0:
+    the shuffled order cut into batches (no grouping by length)."""
     n = len(lengths)
     order = list(range(n))
     if shuffle:
         random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    if group_factor == 0:
+        return [order[i : i + batch_size] for i in range(0, n, batch_size)]
     group = batch_size * group_factor
     batches = []
     for g0 in range(0, n, group):
@@ -162,7 +165,8 @@ class RankBatchSampler(torch.utils.data.Sampler):
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.consumed, "global_done": self.global_done(),
-                "world_size": self.world_size, "stream_epochs": sorted(self.stream_epochs), "buffer": self.buffer}
+                "world_size": self.world_size, "stream_epochs": sorted(self.stream_epochs), "buffer": self.buffer,
+                "group_factor": self.group_factor}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` was saved, possibly with another world size. A state of an older dflash (epoch
@@ -173,6 +177,9 @@ class RankBatchSampler(torch.utils.data.Sampler):
         if "stream_epochs" in state:
             self.stream_epochs = set(int(e) for e in state["stream_epochs"])
         self.buffer = int(state.get("buffer", self.buffer))  # the stream epoch's batches as they were drawn
+        group_factor = int(state.get("group_factor", self.group_factor))  # the epochs' batches as planned
+        if group_factor != self.group_factor:
+            self.group_factor, self._plan = group_factor, (-1, [])
 
     def resume(self, epoch: int, batches_done: int) -> None:
         """Skip the first `batches_done` batches of `epoch` on this rank (the same world size trained them)."""

@@ -148,6 +148,9 @@ class TrainConfig:
     seed: int = 0
     export_checkpoint: str = "best"  # which checkpoint the end of training exports: best (by val tau) | last
     follow_buffer: int = 1024  # a following run's first epoch draws each batch at random from the next N committed samples
+    # a finished store's epoch: shuffled, then sorted by length inside windows of batch_size * N samples (less
+    # padding per batch); 0: batches of the plain shuffled order
+    length_group_factor: int = 32
     # DistributedDataParallel's own options (torch's defaults; issue 22 measures them in bench/device_run.sh ddpopts)
     ddp_bucket_cap_mb: float = 25.0  # gradient bucket size of the all-reduce
     ddp_gradient_as_bucket_view: bool = False  # gradients are views into the buckets: no copy, less memory
@@ -343,6 +346,9 @@ def _validate(cfg: Config) -> None:
                           f"{cfg.eval.temperature} and {cfg.eval.top_p}")
     if cfg.train.follow_buffer < 0:
         raise ConfigError(f"{src}: train.follow_buffer must be 0 or more (samples)")
+    if cfg.train.length_group_factor < 0:
+        raise ConfigError(f"{src}: train.length_group_factor must be 0 (no grouping by length) or more (batches "
+                          "per length-sorted window)")
     if not 0.0 <= cfg.data.validation_fraction < 1.0:
         raise ConfigError(f"{src}: data.validation_fraction must be in [0, 1)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:

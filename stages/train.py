@@ -98,7 +98,7 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
     train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log,
                             anchors_per_token=anchors_per_token(cfg))  # validation keeps the fixed rule: comparable
     sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs,
-                               buffer=t.follow_buffer)
+                               buffer=t.follow_buffer, group_factor=t.length_group_factor)
     # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock
     kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init,
               multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
@@ -334,6 +334,10 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         planned = min(planned, cfg.train.max_steps)
     if resume_state and resume_state["loader"]:
         sampler.load_state_dict(resume_state["loader"])
+        if sampler.group_factor != cfg.train.length_group_factor and launcher:
+            print(f"train: resuming with train.length_group_factor={sampler.group_factor}, the checkpoint's (its "
+                  f"epochs were planned with it; the config says {cfg.train.length_group_factor}); a new run "
+                  "takes the new value", file=sys.stderr, flush=True)
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     run_dir.mkdir(parents=True, exist_ok=True)
     from pipeline.lifecycle import log_process_output

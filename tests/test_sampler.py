@@ -5,6 +5,7 @@ replan (stages/train_task.WarmupCosine)."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -85,6 +86,30 @@ def test_next_epoch_known_before_set_epoch_and_old_states_resume():
     assert list(r) == full[3:] and len(r) == len(full)
 
 
+def test_length_grouping_off_and_its_factor_kept_across_a_resume():
+    """train.length_group_factor: 32 sorts each window of 32 batches by length (little padding); 0 cuts the
+    shuffled order into batches. A resumed run keeps its checkpoint's factor, so the rest of its epoch is the
+    one it planned."""
+    lengths = [10 + (i * 37) % 200 for i in range(256)]
+    grouped, plain = window_plan(lengths, 8, 2, 0), window_plan(lengths, 8, 2, 0, group_factor=0)
+    for plan in (grouped, plain):
+        assert sorted(i for b in plan for i in b) == list(range(256))  # every sample once
+    spread = lambda plan: sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in plan) / len(plan)
+    assert spread(grouped) < 0.2 * spread(plain)  # grouped batches hold similar lengths; plain ones do not
+    order = list(range(256))
+
+    random.Random(2 * 1_000_003).shuffle(order)
+    assert plain == [order[i : i + 8] for i in range(0, 256, 8)]  # the shuffled order, unsorted
+    s = RankBatchSampler(lengths, 8, seed=2, group_factor=0)
+    first = list(s)
+    s.consumed = 5
+    state = s.state_dict()
+    assert state["group_factor"] == 0
+    r = RankBatchSampler(lengths, 8, seed=2)  # the config now says 32: the checkpoint's 0 wins
+    r.load_state_dict(state)
+    assert r.group_factor == 0 and list(r) == first[5:]
+
+
 def test_remaining_steps_follow_lightnings_accumulation_windows():
     lengths = [50] * 40  # 10 global batches of 4
     s = RankBatchSampler(lengths, 4, rank=0, world_size=2, seed=0)  # 5 batches per rank and epoch
@@ -118,3 +143,11 @@ def test_warmup_cosine_replan_keeps_the_rate_continuous():
 def test_fixed_samples_filler_is_the_shortest():
     src = FixedSamples(["a", "b", "c"], [5, 2, 9])
     assert src.filler() == "b" and src.planned == 3 and src.all() == (["a", "b", "c"], [5, 2, 9])
+
+
+def test_length_group_factor_must_not_be_negative():
+    from pipeline.config import ConfigError, load_config
+
+    assert load_config(None, ["train.length_group_factor=0"]).train.length_group_factor == 0
+    with pytest.raises(ConfigError, match="train.length_group_factor must be 0"):
+        load_config(None, ["train.length_group_factor=-1"])
