@@ -177,13 +177,14 @@ class RankBatchSampler(torch.utils.data.Sampler):
         if "stream_epochs" in state:
             self.stream_epochs = set(int(e) for e in state["stream_epochs"])
         self.buffer = int(state.get("buffer", self.buffer))  # the stream epoch's batches as they were drawn
-        group_factor = int(state.get("group_factor", self.group_factor))  # the epochs' batches as planned
+        # the epochs' batches as they were planned; a checkpoint older than the setting was planned with 32
+        group_factor = int(state.get("group_factor", 32))
         if group_factor != self.group_factor:
             self.group_factor, self._plan = group_factor, (-1, [])
 
     def resume(self, epoch: int, batches_done: int) -> None:
         """Skip the first `batches_done` batches of `epoch` on this rank (the same world size trained them)."""
-        self.load_state_dict({"epoch": epoch, "batches_done": batches_done})
+        self.load_state_dict({"epoch": epoch, "batches_done": batches_done, "group_factor": self.group_factor})
 
 
 def remaining_steps(sampler: RankBatchSampler, epochs: int, accumulate: int, planned: bool = False) -> int:

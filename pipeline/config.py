@@ -148,9 +148,9 @@ class TrainConfig:
     seed: int = 0
     export_checkpoint: str = "best"  # which checkpoint the end of training exports: best (by val tau) | last
     follow_buffer: int = 1024  # a following run's first epoch draws each batch at random from the next N committed samples
-    # a finished store's epoch: shuffled, then sorted by length inside windows of batch_size * N samples (less
-    # padding per batch); 0: batches of the plain shuffled order
-    length_group_factor: int = 32
+    # a finished store's epoch: 0 = batches of the plain shuffled order; N > 0 = sorted by length inside windows
+    # of batch_size * N shuffled samples (less padding when batch_size > 1, but lower tau: docs/benchmarks.md)
+    length_group_factor: int = 0
     # DistributedDataParallel's own options (torch's defaults; issue 22 measures them in bench/device_run.sh ddpopts)
     ddp_bucket_cap_mb: float = 25.0  # gradient bucket size of the all-reduce
     ddp_gradient_as_bucket_view: bool = False  # gradients are views into the buckets: no copy, less memory

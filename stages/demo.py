@@ -23,8 +23,9 @@ from pipeline.config import CONFIGS_DIR, load_config
 from stages.eval_online import log
 
 # The tiny config as shipped, with the store and the run under OUT, and a shorter schedule for a CPU demo.
-# Measured on 2 CPU cores: batch 8 x 3 epochs (~1100 steps, ~2.5 min) reaches val tau ~5.6 of 8; the shipped
-# batch 16 x 6 epochs (~1100 steps of twice the work, ~5 min) reaches ~6.2.
+# Measured on 2 CPU cores: batch 8 x 3 epochs (~1100 steps, ~3.7 min) reaches val tau ~5.85 of 8 (plain batches,
+# 2026-12-01; ~5.6 when batches were grouped by length); the shipped batch 16 x 6 epochs (~1100 steps of twice
+# the work) reached ~6.2 with grouped batches.
 DEMO_OVERRIDES: list[str] = [
     "train.batch_size=8",
     "train.epochs=3",

@@ -108,6 +108,9 @@ def test_length_grouping_off_and_its_factor_kept_across_a_resume():
     r = RankBatchSampler(lengths, 8, seed=2)  # the config now says 32: the checkpoint's 0 wins
     r.load_state_dict(state)
     assert r.group_factor == 0 and list(r) == first[5:]
+    old = RankBatchSampler(lengths, 8, seed=2, group_factor=0)  # a checkpoint from before the setting: 32
+    old.load_state_dict({"epoch": 0, "batches_done": 5, "global_done": 5, "world_size": 1})
+    assert old.group_factor == 32 and list(old) == list(RankBatchSampler(lengths, 8, seed=2, group_factor=32))[5:]
 
 
 def test_remaining_steps_follow_lightnings_accumulation_windows():
