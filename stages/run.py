@@ -53,13 +53,22 @@ def parse_gpus(text: Optional[str]) -> list[int]:
 
 
 def _child(cmd: list[str], log: Path) -> subprocess.Popen:
-    from pipeline.lifecycle import die_with_parent
-
     f = open(log, "ab")
     f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
     f.flush()
     # its own process group: a terminal's Ctrl-C reaches this process only, which passes it on exactly once
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_child_setup)
+
+
+def _child_setup() -> None:
+    """In the child before exec: die with this process, and take Ctrl-C as a terminal's job does. An ignored
+    SIGINT is inherited: `dflash run` started where Ctrl-C is ignored (a background job of a script, `nohup`)
+    gave its children an ignored SIGINT, so the Ctrl-C this process passes on never stopped the training
+    (it waited for the extraction forever; seen in a CI-like run)."""
+    from pipeline.lifecycle import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    die_with_parent()
 
 
 def _read_json(path: Path) -> dict:

@@ -120,8 +120,11 @@ LONG = HANG_S  # a hang guard only (tests/helpers_cli.py): no assertion depends 
 
 
 def _cli(*args, env=ENV, **kw) -> subprocess.Popen:
+    """A dflash command as a terminal's job: its own process group, Ctrl-C at its default. (Under a CI runner
+    that ignores SIGINT, an inherited ignore made `dflash train` run on through the tests' Ctrl-C.)"""
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
 def _until(cond, what: str, proc=None) -> None:

@@ -44,7 +44,11 @@ def test_run_stops_both_stages_on_one_ctrl_c_and_the_same_command_continues_both
            "--set", "train.num_workers=1", "--set", "train.batch_size=8", "--set", "train.checkpoint_every=3", "--set", "train.log_every=1",
            "--set", "train.follow_buffer=16"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1", "DFLASH_TEST_EXTRACT_DELAY": "2"}
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # started as a script's background job is (SIGINT ignored, and inherited): the Ctrl-C `dflash run` passes on
+    # must still stop its children. Before, the training child inherited the ignore and waited forever for the
+    # stopped extraction; a terminal's job (SIGINT default) is the easier case of the same path
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.time() + LONG
     while not ((run / "checkpoints" / "last.ckpt").exists() and _lines(run)):  # both stages under way
         assert time.time() < deadline and p.poll() is None, p.stderr.read()[-3000:] if p.poll() is not None else "timeout"
