@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -396,10 +397,20 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # a collective or loader the stop cut short
             print(f"train: {type(e).__name__} while stopping after {StopRequest.reason} (a consequence of the "
                   f"stop): {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        starter = getattr(trainer.strategy, "launcher", None)  # Lightning's, which started the other ranks
+        if not isinstance(e, (SystemExit, KeyboardInterrupt)) and hasattr(starter, "kill"):
+            starter.kill(signal.SIGKILL)  # the ranks it started, as Lightning's own Ctrl-C path does
         hint = resume_command(command)
         print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
               f"resume with: {hint}", file=sys.stderr)
-        return 130
+        if not launcher:  # a rank Lightning started: the launcher ends it (a rank leaving first had every
+            return 130    # process SIGKILLed by the launcher's observer: -9)
+        # the job's process: the stop is complete and nothing is left to write, so leave now. Python's
+        # finalisation puts SIGINT back to its default, and a second Ctrl-C landing in it ended the job with -2
+        # instead of 130 (CI)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     if not final.saved:  # fit returned without on_train_end (nothing to train: resumed at the last step)
         save_final(trainer, checkpoint, checkpoint_path)
     if trainer.is_global_zero:
