@@ -397,9 +397,9 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # a collective or loader the stop cut short
             print(f"train: {type(e).__name__} while stopping after {StopRequest.reason} (a consequence of the "
                   f"stop): {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-        starter = getattr(trainer.strategy, "launcher", None)  # Lightning's, which started the other ranks
-        if not isinstance(e, (SystemExit, KeyboardInterrupt)) and hasattr(starter, "kill"):
-            starter.kill(signal.SIGKILL)  # the ranks it started, as Lightning's own Ctrl-C path does
+            starter = getattr(trainer.strategy, "launcher", None)  # Lightning's, which started the other ranks
+            if hasattr(starter, "kill"):
+                starter.kill(signal.SIGKILL)  # the ranks it started, as Lightning's own Ctrl-C path does
         hint = resume_command(command)
         print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
               f"resume with: {hint}", file=sys.stderr)
