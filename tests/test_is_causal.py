@@ -181,3 +181,25 @@ def test_the_published_dflash2_preset_is_the_published_layout():
     # so --init-from the published drafter, on a store of this preset's target, finds no difference at all
     assert differences(cfg, {"hidden_size": 5120, "target": {"vocab_size": 248320}}, cfg.target.layer_ids,
                        PUBLISHED) == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU smoke tests of the GPU part (tests/test_gpu_is_causal.py, `bash bench/device_run.sh iscausal`): the same
+# functions at tiny size, eager flex forward only
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_gpu_part_flex_check_runs_on_cpu():
+    from helpers_is_causal import flex_vs_sdpa
+
+    r = flex_vs_sdpa("cpu", S=40, compile=False, backward=False)
+    assert r["out"] < 1e-5 and r["rule"] > 1e-3, r
+
+
+@pytest.mark.slow
+def test_gpu_part_pipeline_runs_on_cpu(tmp_path):
+    from helpers_is_causal import run_pipeline
+
+    rep = run_pipeline(tmp_path, gpu=False, samples=48, train_sets=["train.max_steps=3", "train.val_every=3",
+                                                                    "train.precision=32-true"])
+    assert rep["offline"]["tau"] >= 1.0
