@@ -136,6 +136,7 @@ def loss_weight_sum(tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_si
     window, so the step can normalise by the window's weight (stages.train_task)."""
     return float(build_blocks(tokens, loss_mask, anchors, block_size, 0, gamma).weights.sum())
 
+
 def block_causal(is_causal: Optional[bool], layer_type: str) -> bool:
     """Whether a layer of `layer_type` is causal inside the block, for the drafter's `is_causal` key (None:
     absent, as z-lab's model derives it: sliding-window layers causal, full layers not; else the key itself)."""
