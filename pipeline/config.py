@@ -110,7 +110,7 @@ class DrafterConfig:
     sliding_window: Optional[int] = None
     block_size: int = 16
     mask_token_id: int = 248070
-    # causal inside the block (exported as config.json `is_causal`, read as z-lab's model and the engines read it):
+    # causal inside the block (exported as config.json `is_causal`, read as z-lab's reference model reads it):
     # null = sliding-window layers causal, full layers bidirectional (the key is left out of the export);
     # false = every layer bidirectional inside the block, sliding layers still windowed on the context (the
     # published DFlash 2 drafters: configs/qwen3.8-27b-dflash2.yaml); true = every layer causal inside the block

@@ -52,7 +52,7 @@ class DrafterArch:
     block_size: int = 16
     mask_token_id: int = 0
     initializer_range: float = 0.02
-    # causal inside the block (config.json `is_causal`, read as z-lab's model and the serving engines read it):
+    # causal inside the block (config.json `is_causal`, read as z-lab's reference model reads it):
     # None (absent) = sliding-window layers causal, full layers bidirectional; False = every layer
     # bidirectional (the published DFlash 2 drafters); True = every layer causal. masks.block_causal applies it.
     is_causal: Optional[bool] = None

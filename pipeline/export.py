@@ -5,7 +5,7 @@
                            dflash_config {mask_token_id, target_layer_ids, block_size}, the Qwen3 shape fields,
                            layer_types (+ use_sliding_window/sliding_window when used), no partial_rotary_factor,
                            is_causal only when drafter.is_causal is set (absent: sliding layers causal inside the
-                           block, full layers bidirectional, as z-lab's model and the engines read it),
+                           block, full layers bidirectional, as z-lab's reference model reads it),
                            auto_map (unless for_sglang)
       model.safetensors    exactly the contract keys (`contract_keys`): no embedding, no lm_head
       modeling_dflash.py   pipeline/modeling_dflash.py: transformers PreTrainedModel wrapper (trust_remote_code) with

@@ -16,7 +16,7 @@ Visibility (the whole contract, see `dflash_mask_mod`):
       before the query's own position, as a standard sliding window over the query's true position;
     - block tokens: every token of its own block (bidirectional); causal inside the block (slot k sees slots
       <= k) where the layer is: `block_causal(is_causal, layer_type)`, the drafter's `is_causal` key read as
-      z-lab's model and the serving engines read it (absent: sliding-window layers causal, full layers
+      z-lab's reference model reads it (absent: sliding-window layers causal, full layers
       bidirectional; false: every layer bidirectional, sliding layers still windowed on the context; true:
       every layer causal); never another block;
     - padded anchors (-1) see only their own block (so no SDPA row is fully masked and nothing is NaN).

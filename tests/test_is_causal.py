@@ -1,4 +1,4 @@
-"""The drafter's `is_causal` key (config.json, as z-lab's model and the serving engines read it) is read, stored
+"""The drafter's `is_causal` key (config.json, as z-lab's reference model reads it) is read, stored
 and honoured everywhere: the training step, offline and online eval, the checkpoint's arch, the export (ours and
 the transformers modeling files of DFlash and DFlash 2), load_exported and the --init-from difference check; and
 the published Qwen3.8-27B DFlash 2 layout (configs/qwen3.8-27b-dflash2.yaml) is exactly the published config.
