@@ -2,6 +2,7 @@
 # Runs benchmark parts on the GPU machine (the `device` tool), results under $OUT. Usage (from the repo root):
 #   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile regen
 #   bash bench/device_run.sh dflash2 dflash2tests                            (issue 20: DFlash 2 step time, GPU tests)
+#   bash bench/device_run.sh iscausal                                        (issue 27.4: is_causal false on GPU, ~3 min)
 #   ARCH_SEEDS=0..7 ARCH_JOBS=16 bash bench/device_run.sh archtau            (issue 20's tau study on host CPUs)
 #   TAU_CPU=1 TAU_SEEDS=10..21 TAU_JOBS=24 bash bench/device_run.sh tau      (CPU runs side by side)
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
@@ -136,6 +137,10 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
         --new-tokens ${REGEN_NEW:-256} --out "$OUT/regen.json" > "$OUT/regen.log" 2>&1; grep -v "^\[transformers\]" "$OUT/regen.log" | tail -9 ;;
     long)  # issue 19.6: one training step of the 27B drafter at 2K/8K/16K tokens per sample: peak memory, step time
       python3 bench/long_bench.py --steps 5 --out "$OUT/long.json" 2>&1 | grep -v "Warning\|warn(" | tail -8 ;;
+    iscausal)  # issue 27 item 4: drafter.is_causal=false under compiled flex == SDPA (bf16, grads), and train ->
+               # export -> eval --online keep it on one GPU (tests/test_gpu_is_causal.py; CPU smoke: test_is_causal.py)
+      python3 -m pytest -q -s -m gpu tests/test_gpu_is_causal.py -p no:cacheprovider --tb=short > "$OUT/iscausal.log" 2>&1
+      grep -E "'out'|'tau'|passed|failed|Error|assert" "$OUT/iscausal.log" | tail -12 ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -110,7 +110,13 @@ class DrafterConfig:
     sliding_window: Optional[int] = None
     block_size: int = 16
     mask_token_id: int = 248070
-    # DFlash 2 (arch: dflash2; pipeline/drafter2.py). Defaults are the published 27B drafter's.
+    # causal inside the block (exported as config.json `is_causal`, read as z-lab's reference model reads it):
+    # null = sliding-window layers causal, full layers bidirectional (the key is left out of the export);
+    # false = every layer bidirectional inside the block, sliding layers still windowed on the context (the
+    # published DFlash 2 drafters: configs/qwen3.8-27b-dflash2.yaml); true = every layer causal inside the block
+    is_causal: Optional[bool] = None
+    # DFlash 2 (arch: dflash2; pipeline/drafter2.py). The conv and selector defaults are the published 27B drafter's;
+    # its layout (5 sliding layers, is_causal false, its target layers, block 8) is configs/qwen3.8-27b-dflash2.yaml
     arch: str = "dflash"  # dflash | dflash2 (dynamic convolutions + candidate selector)
     conv_kernel_size: int = 2  # taps of the grouped dynamic convolution, within one block
     conv_group_size: int = 16  # channels sharing one dynamic kernel value (must divide hidden_size)

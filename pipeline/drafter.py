@@ -52,8 +52,14 @@ class DrafterArch:
     block_size: int = 16
     mask_token_id: int = 0
     initializer_range: float = 0.02
+    # causal inside the block (config.json `is_causal`, read as z-lab's reference model reads it):
+    # None (absent) = sliding-window layers causal, full layers bidirectional; False = every layer
+    # bidirectional (the published DFlash 2 drafters); True = every layer causal. masks.block_causal applies it.
+    is_causal: Optional[bool] = None
 
     def __post_init__(self):
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise ValueError(f"is_causal must be true, false or absent, got {self.is_causal!r}")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.layer_types is None:
             self.layer_types = [FULL] * self.num_hidden_layers
@@ -85,6 +91,7 @@ class DrafterArch:
             sliding_window=cfg.sliding_window if cfg.layer_types and SLIDING in cfg.layer_types else None,
             block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id,
+            is_causal=getattr(cfg, "is_causal", None),
         )
 
     @classmethod
@@ -108,6 +115,7 @@ class DrafterArch:
             block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
             mask_token_id=int(dflash["mask_token_id"]),
             initializer_range=cfg.get("initializer_range", 0.02),
+            is_causal=cfg.get("is_causal"),
         )
 
     @property
@@ -312,7 +320,7 @@ def draft_blocks(
     ctx = drafter.project_context(features.to(dtype).reshape(1, S, features.shape[-1]))  # [1, S, H]
     attend = make_attend(
         "sdpa", anchors=anchors, block_size=bs, ctx_len=S,
-        layer_types=arch.layer_types, sliding_window=arch.sliding_window,
+        layer_types=arch.layer_types, sliding_window=arch.sliding_window, is_causal=arch.is_causal,
     )
     h = drafter(block_embeds, ctx, q_pos, ctx_pos, attend).view(A, bs, -1)[:, 1:]  # [A, bs-1, H]
     logits = (h.to(lm_head_weight.dtype) @ lm_head_weight.t()).float()  # [A, bs-1, V]

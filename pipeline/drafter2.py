@@ -35,8 +35,9 @@ Where each detail comes from (read, not copied; the public sources agree unless 
   `compute_logits` (multiplier, then softcap), applied after the top-K (monotone: same candidates).
 - Initialisation of the selector: N(0, initializer_range) for all three (SpecForge's initializer_range
   argument). All-zero would be a saddle: every selector gradient is a product of the other two factors.
-- Block attention rule: unchanged from DFlash (masks.py; sliding layers causal inside the block, which is
-  what z-lab's model derives when `is_causal` is absent, and why the export leaves `is_causal` out).
+- Block attention rule: DFlash's (masks.py), `is_causal` included: absent (our default), sliding layers are
+  causal inside the block, which is what z-lab's model derives then; the published DFlash 2 drafters set
+  `"is_causal": false` (every layer bidirectional inside the block; configs/qwen3.8-27b-dflash2.yaml).
 - Not implemented: dflash_config.input_embedding_scale (vLLM/z-lab read it, default 1.0; never exported).
 
 Torch-only (plus the siblings drafter.py and masks.py): this file is shipped next to the exported modeling file.

@@ -4,6 +4,8 @@
       config.json          architectures ["DFlashDraftModel"], model_type "qwen3", block_size, num_target_layers,
                            dflash_config {mask_token_id, target_layer_ids, block_size}, the Qwen3 shape fields,
                            layer_types (+ use_sliding_window/sliding_window when used), no partial_rotary_factor,
+                           is_causal only when drafter.is_causal is set (absent: sliding layers causal inside the
+                           block, full layers bidirectional, as z-lab's reference model reads it),
                            auto_map (unless for_sglang)
       model.safetensors    exactly the contract keys (`contract_keys`): no embedding, no lm_head
       modeling_dflash.py   pipeline/modeling_dflash.py: transformers PreTrainedModel wrapper (trust_remote_code) with
@@ -105,6 +107,8 @@ def hf_config_dict(
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+    if arch.is_causal is not None:  # absent = z-lab's default (sliding layers causal in the block, full not)
+        cfg["is_causal"] = bool(arch.is_causal)
     if not for_sglang:
         cfg["auto_map"] = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     return cfg

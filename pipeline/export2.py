@@ -5,8 +5,9 @@
                            ["DFlash2DraftModel"] and dflash_config += conv_kernel_size, conv_group_size,
                            selector_rank, selector_top_k (+ output_multiplier / final_logit_softcapping only
                            when they differ from 1 / none: engines default them so); vocab_size = the codebooks'
-                           rows; no `is_causal` (z-lab's model then makes sliding layers causal inside the
-                           block, as we train them); auto_map -> modeling_dflash2 (unless for_sglang)
+                           rows; `is_causal` as DFlash's (written only when drafter.is_causal is set: false for
+                           the published layout, bidirectional inside the block); auto_map -> modeling_dflash2
+                           (unless for_sglang)
       model.safetensors    exactly `contract_keys2`: DFlash's keys + layers.N.{attention,mlp}_conv.{base_kernel
                            [2, T, H], kernel_projection.weight [2*T*G, H]} + candidate_selector.{hidden_projection
                            .weight [r, H], predecessor_codebook [V, r], successor_codebook [V, r]}

@@ -14,8 +14,11 @@ Visibility (the whole contract, see `dflash_mask_mod`):
     - context: kv < anchor_j (STRICT: at inference the anchor's own target features do not exist yet) and
       kv < seq_len; sliding-window layers also need (anchor_j + k) - kv < W, i.e. the last W positions
       before the query's own position, as a standard sliding window over the query's true position;
-    - block tokens: every token of its own block (bidirectional); sliding-window layers are causal inside the
-      block (slot k sees slots <= k); never another block;
+    - block tokens: every token of its own block (bidirectional); causal inside the block (slot k sees slots
+      <= k) where the layer is: `block_causal(is_causal, layer_type)`, the drafter's `is_causal` key read as
+      z-lab's reference model reads it (absent: sliding-window layers causal, full layers
+      bidirectional; false: every layer bidirectional, sliding layers still windowed on the context; true:
+      every layer causal); never another block;
     - padded anchors (-1) see only their own block (so no SDPA row is fully masked and nothing is NaN).
 
 This file must stay torch-only (no project imports): it is copied next to the exported modeling file.
@@ -133,16 +136,26 @@ def loss_weight_sum(tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_si
     window, so the step can normalise by the window's weight (stages.train_task)."""
     return float(build_blocks(tokens, loss_mask, anchors, block_size, 0, gamma).weights.sum())
 
+
+def block_causal(is_causal: Optional[bool], layer_type: str) -> bool:
+    """Whether a layer of `layer_type` is causal inside the block, for the drafter's `is_causal` key (None:
+    absent, as z-lab's model derives it: sliding-window layers causal, full layers not; else the key itself)."""
+    return layer_type == SLIDING if is_causal is None else bool(is_causal)
+
+
 def dflash_mask_mod(
-    anchors: Tensor, seq_lens: Tensor, ctx_len: int, block_size: int, window: Optional[int] = None
+    anchors: Tensor, seq_lens: Tensor, ctx_len: int, block_size: int, window: Optional[int] = None,
+    causal: Optional[bool] = None,
 ) -> Callable:
     """The visibility predicate mask_mod(b, h, q_idx, kv_idx) -> bool (see the module docstring).
 
     anchors: [B, A'] long (-1 = padding; A' may exceed the real A to cover padded query rows), seq_lens: [B]
     long (valid context length per row), ctx_len: S (where block keys start), window: None for full
-    attention, W for a sliding-window layer (which is also causal inside the block).
+    attention, W for a sliding-window layer; causal: causal inside the block (None: exactly when windowed,
+    i.e. `block_causal(None, layer_type)`).
     Written with tensor ops only: flex vmaps it over scalars, `dense_mask` broadcasts it over index grids.
     """
+    causal = (window is not None) if causal is None else bool(causal)
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size  # block of the query
@@ -154,6 +167,7 @@ def dflash_mask_mod(
         own = (~is_ctx) & (torch.div(kv_blk, block_size, rounding_mode="floor") == blk)
         if window is not None:
             ctx_ok = ctx_ok & (anchor + slot - kv_idx < window)
+        if causal:
             own = own & (torch.remainder(kv_blk, block_size) <= slot)
         return ctx_ok | own
 
@@ -172,6 +186,7 @@ def dense_mask(
     ctx_len: int,
     seq_lens: Optional[Tensor] = None,
     window: Optional[int] = None,
+    causal: Optional[bool] = None,
 ) -> Tensor:
     """bool [B, 1, Q, S+Q] (True = attend) for SDPA: the predicate broadcast over index grids. Q = A*bs."""
     B, A = anchors.shape
@@ -181,7 +196,7 @@ def dense_mask(
     h = torch.zeros((), dtype=torch.long, device=dev)
     q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
     kv = torch.arange(ctx_len + Q, device=dev).view(1, 1, 1, ctx_len + Q)
-    mod = dflash_mask_mod(anchors.long(), _seq_lens(seq_lens, B, ctx_len, dev), ctx_len, block_size, window)
+    mod = dflash_mask_mod(anchors.long(), _seq_lens(seq_lens, B, ctx_len, dev), ctx_len, block_size, window, causal)
     return mod(b, h, q, kv).expand(B, 1, Q, ctx_len + Q)
 
 
@@ -222,6 +237,7 @@ def block_tables(
     seq_lens: Optional[Tensor] = None,
     window: Optional[int] = None,
     tile: int = FLEX_BLOCK,
+    causal: Optional[bool] = None,
 ) -> tuple[Tensor, Tensor]:
     """Which (query tile, key tile) pairs of `dflash_mask_mod` are partly / fully visible, without the dense grid.
 
@@ -230,7 +246,8 @@ def block_tables(
     keys are two intervals read off the predicate (the module docstring):
         context [lo, hi):  hi = min(anchor, seq_len, S) (0 for a padded anchor), lo = 0, or for a sliding
                            window lo = max(0, anchor + slot - W + 1);
-        own block [S + bs*j, S + bs*j + n):  n = bs, or slot + 1 for a sliding window (causal in the block).
+        own block [S + bs*j, S + bs*j + n):  n = bs, or slot + 1 when causal in the block (causal None: when
+                           windowed, as the predicate).
     A key tile [k0, k1) is touched by a row when an interval overlaps it and covered when one interval contains
     it (the two never join: hi <= anchor < S). Cost O(Q x KV / tile) instead of O(Q x KV).
     """
@@ -245,7 +262,8 @@ def block_tables(
     c_hi = torch.minimum(anchor, lens).clamp(min=0)  # [B, Qp]
     c_lo = torch.zeros_like(c_hi) if window is None else (anchor + slot - window + 1).clamp(min=0)
     b_lo = (ctx_len + j * block_size).expand(B, q_len)  # [B, Qp]
-    b_hi = b_lo + (block_size if window is None else slot + 1)
+    causal = (window is not None) if causal is None else bool(causal)
+    b_hi = b_lo + (slot + 1 if causal else block_size)
     k0 = torch.arange(0, kv_len, tile, device=dev)  # [T] key tile starts
     k1 = k0 + tile
 
@@ -275,9 +293,10 @@ def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
     return count, torch.empty_like(t).scatter_(-1, pos.long(), cols)
 
 
-def _all_tables(anchors: Tensor, seq_lens: Tensor, block_size: int, ctx_len: int, window: Optional[int]) -> tuple:
+def _all_tables(anchors: Tensor, seq_lens: Tensor, block_size: int, ctx_len: int, window: Optional[int],
+                causal: Optional[bool] = None) -> tuple:
     """The eight BlockMask tables: kv side (forward) and q side (backward), partial and full."""
-    partial, full = block_tables(anchors, block_size, ctx_len, seq_lens, window)
+    partial, full = block_tables(anchors, block_size, ctx_len, seq_lens, window, causal=causal)
     return (*_ordered(partial), *_ordered(full), *_ordered(partial.transpose(-2, -1)),
             *_ordered(full.transpose(-2, -1)))
 
@@ -289,6 +308,7 @@ def flex_block_mask(
     seq_lens: Optional[Tensor] = None,
     window: Optional[int] = None,
     compile: Optional[bool] = None,
+    causal: Optional[bool] = None,
 ):
     """BlockMask over (Q, S+Q) padded up to multiples of 128, from the same predicate as `dense_mask`.
 
@@ -309,8 +329,8 @@ def flex_block_mask(
         if "tables" not in _COMPILED:
             _COMPILED["tables"] = torch.compile(_all_tables)
         build = _COMPILED["tables"]
-    kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = build(anchors.long(), lens, block_size, ctx_len, window)
-    mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, ctx_len, block_size, window)
+    kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = build(anchors.long(), lens, block_size, ctx_len, window, causal)
+    mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, ctx_len, block_size, window, causal)
     return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=kv_n, kv_indices=kv_i, full_kv_num_blocks=fkv_n,
                      full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
                      full_q_indices=fq_i, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mod)
@@ -326,12 +346,13 @@ def make_attend(
     sliding_window: Optional[int] = None,
     seq_lens: Optional[Tensor] = None,
     compile: Optional[bool] = None,
+    is_causal: Optional[bool] = None,
 ) -> Callable[[Tensor, Tensor, Tensor, str], Tensor]:
     """The drafter's `attend(q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_type) -> [B,h,Q,d]` for one batch.
 
     kind: "sdpa" (dense boolean mask; CPU training and the reference) or "flex" (BlockMask; compiled on CUDA
     when compile is None). One mask per layer type present, shared by all layers of that type. GQA through
-    enable_gqa (no repeat of k/v).
+    enable_gqa (no repeat of k/v). is_causal: the drafter's key (`block_causal` reads it per layer type).
     """
     if kind not in ("sdpa", "flex"):
         raise ValueError(f"attention kind must be 'sdpa' or 'flex', got {kind!r}")
@@ -342,9 +363,10 @@ def make_attend(
         if t == SLIDING and not sliding_window:
             raise ValueError("sliding_attention layers need sliding_window")
     windows = {t: (sliding_window if t == SLIDING else None) for t in set(types)}
+    causal = {t: block_causal(is_causal, t) for t in windows}
 
     if kind == "sdpa":
-        masks = {t: dense_mask(anchors, block_size, ctx_len, seq_lens, w) for t, w in windows.items()}
+        masks = {t: dense_mask(anchors, block_size, ctx_len, seq_lens, w, causal[t]) for t, w in windows.items()}
 
         def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, layer_type: str) -> Tensor:
             mask = masks[layer_type]
@@ -353,7 +375,8 @@ def make_attend(
         return attend_sdpa
 
     compile = (anchors.device.type == "cuda") if compile is None else compile
-    masks = {t: flex_block_mask(anchors, block_size, ctx_len, seq_lens, w, compile) for t, w in windows.items()}
+    masks = {t: flex_block_mask(anchors, block_size, ctx_len, seq_lens, w, compile, causal[t])
+             for t, w in windows.items()}
     flex = _flex_attention(compile)
 
     def attend_flex(q: Tensor, k: Tensor, v: Tensor, layer_type: str) -> Tensor:

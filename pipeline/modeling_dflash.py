@@ -63,7 +63,8 @@ class DFlashDraftModel(PreTrainedModel):
         S = ctx.shape[1]  # the context is contiguous up to the block: all of it lies before the anchor
         anchors = torch.full((B, 1), S, dtype=torch.long, device=noise_embedding.device)
         attend = make_attend("sdpa", anchors=anchors, block_size=Q, ctx_len=S,
-                             layer_types=self.arch.layer_types, sliding_window=self.arch.sliding_window)
+                             layer_types=self.arch.layer_types, sliding_window=self.arch.sliding_window,
+                             is_causal=self.arch.is_causal)
         return self.drafter_forward(noise_embedding, ctx.to(noise_embedding.dtype), q_pos, ctx_pos, attend)
 
     def forward(self, position_ids=None, attention_mask=None, noise_embedding=None, target_hidden=None,

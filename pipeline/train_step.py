@@ -124,7 +124,8 @@ def step_loss(drafter: nn.Module, tokens: Tensor, loss_mask: Tensor, anchors: Te
     bs = drafter.arch.block_size
     blocks = build_blocks(tokens, loss_mask, anchors, bs, cfg.drafter.mask_token_id, cfg.train.gamma)  # [B, Q] each
     attend = make_attend(kind, anchors=anchors, block_size=bs, ctx_len=S, layer_types=drafter.arch.layer_types,
-                         sliding_window=drafter.arch.sliding_window, seq_lens=seq_lens)
+                         sliding_window=drafter.arch.sliding_window, seq_lens=seq_lens,
+                         is_causal=drafter.arch.is_causal)
     ctx = drafter.project_context(feats)  # [B, S, H]
     block_embeds = F.embedding(blocks.input_ids, embed)  # [B, Q, H]
     ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)

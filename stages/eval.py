@@ -334,6 +334,7 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
     report: dict = {
         "drafter": {"path": str(drafter_path), "kind": src.kind, "block_size": arch.block_size,
                     "target_layer_ids": arch.target_layer_ids, "mask_token_id": arch.mask_token_id,
+                    "is_causal": arch.is_causal,  # the attention rule inside the block it was drafted with
                     "parameters": sum(p.numel() for p in drafter.parameters()),
                     "origin": src.origin, "described": describe_origin(src)},
         "config": cfg_source,

@@ -8,7 +8,8 @@ Contract:
 - `check_init_from(cfg, attrs, layer_ids, path)` runs before anything is written (no run directory yet) and
   raises one ConfigError naming every difference between the export and this config/store, each with its fix:
   the target side (hidden size, target layer ids, vocabulary), the drafter side (layers, block size, heads,
-  FFN, head_dim, attention layer types and window, mask token) and, for DFlash 2, its extra shape keys.
+  FFN, head_dim, attention layer types and window, mask token, `is_causal`: the attention rule inside the
+  block, so a fine-tune never changes it silently) and, for DFlash 2, its extra shape keys.
 - Which exports fit which drafter (`drafter.arch`):
     DFlash export   -> dflash:  every weight (strict);
     DFlash export   -> dflash2: the backbone (pipeline.train_step.warm_start: convolutions identity,
@@ -83,7 +84,7 @@ def differences(cfg: Config, attrs: dict, layer_ids: list[int], meta: dict) -> l
                      f"target has {target['vocab_size']}; {other}")
     # the drafter side: the config can follow the export
     fields = ["num_hidden_layers", "block_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "mask_token_id", "layer_types", "sliding_window"]
+              "head_dim", "mask_token_id", "layer_types", "sliding_window", "is_causal"]
     if DFLASH2 in (meta.get("architectures") or []) and d.arch == "dflash2":
         fields += list(_DFLASH2_KEYS)
     want_types = list(d.layer_types or ["full_attention"] * d.num_hidden_layers)

@@ -254,7 +254,8 @@ class DFlashDraftFn:
         q_pos = pos + torch.arange(bs, device=dev).view(1, bs)
         ctx_pos = torch.arange(pos, device=dev).view(1, pos)
         attend = make_attend("sdpa", anchors=torch.tensor([[pos]], device=dev), block_size=bs, ctx_len=pos,
-                             layer_types=arch.layer_types, sliding_window=arch.sliding_window)
+                             layer_types=arch.layer_types, sliding_window=arch.sliding_window,
+                             is_causal=arch.is_causal)
         h = self.drafter(block_embeds, self.ctx, q_pos, ctx_pos, attend)[0, 1:]  # [bs-1, H]
         logits = h.to(self.head.dtype) @ self.head.t()  # [bs-1, V]
         self.logits = None if hasattr(self.drafter, "select") else logits

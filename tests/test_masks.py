@@ -193,3 +193,107 @@ def test_block_tables_equal_create_block_mask(block_size):
                 assert torch.equal(_tiles(getattr(got, num), getattr(got, idx), cols),
                                    _tiles(getattr(ref, num), getattr(ref, idx), cols)), (trial, window, idx)
             assert got.kv_num_blocks.sum() + got.full_kv_num_blocks.sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# is_causal (the drafter's config.json key): who is causal inside the block
+# ----------------------------------------------------------------------------------------------------------
+
+
+def rule_mask(anchors, block_size, ctx_len, seq_lens, layer_type, window, is_causal):
+    """The rules read directly, pair by pair: a query of block j, slot k (position anchor_j + k) sees
+    context kv < anchor_j and kv < seq_len (sliding layers: only the last `window` positions before its own
+    position); block tokens of its own block only, and there only slots <= k when the layer is causal inside
+    the block: is_causal absent (None) -> sliding layers causal, full layers not; true / false -> every layer."""
+    causal = (layer_type == "sliding_attention") if is_causal is None else is_causal
+    win = window if layer_type == "sliding_attention" else None
+    B, A = anchors.shape
+    Q = A * block_size
+    out = torch.zeros(B, 1, Q, ctx_len + Q, dtype=torch.bool)
+    for b in range(B):
+        for q in range(Q):
+            j, k = divmod(q, block_size)
+            anchor = int(anchors[b, j])
+            for kv in range(ctx_len + Q):
+                if kv < ctx_len:
+                    ok = anchor >= 0 and kv < anchor and kv < int(seq_lens[b])
+                    ok = ok and (win is None or (anchor + k) - kv < win)
+                else:
+                    jj, kk = divmod(kv - ctx_len, block_size)
+                    ok = jj == j and (not causal or kk <= k)
+                out[b, 0, q, kv] = ok
+    return out
+
+
+@pytest.mark.parametrize("is_causal", [None, False, True])
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_is_causal_mask_matches_the_rules_pair_by_pair(is_causal, layer_type):
+    from pipeline.masks import block_causal
+
+    anchors = torch.tensor([[0, 3, 9, -1], [2, 6, 11, 15]])  # a padded anchor, an anchor without context
+    seq_lens, S, bs, W = torch.tensor([12, 17]), 17, 4, 5
+    window = W if layer_type == "sliding_attention" else None
+    got = dense_mask(anchors, bs, S, seq_lens, window, block_causal(is_causal, layer_type))
+    want = rule_mask(anchors, bs, S, seq_lens, layer_type, W, is_causal)
+    assert torch.equal(got, want)
+    # the rule really changes with the key: the published layout (sliding, false) sees later slots of its block
+    slot0 = got[1, 0, 4, S + 4 : S + 8].tolist()  # block 1, slot 0: its own block's four tokens
+    causal = (layer_type == "sliding_attention") if is_causal is None else is_causal
+    assert slot0 == ([True, False, False, False] if causal else [True] * 4)
+    if layer_type == "sliding_attention":  # windowed on the context whatever is_causal says
+        assert got[1, 0, 4 * 3 + 3, :S].nonzero().flatten().tolist() == [14]  # anchor 15, slot 3: 18 - kv < 5
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_make_attend_honours_is_causal(is_causal):
+    """make_attend's SDPA (and CPU eager flex) outputs equal attention under the rule mask, per layer type."""
+    torch.manual_seed(0)
+    anchors = torch.tensor([[0, 4, 9, -1], [3, 7, 12, 14]])
+    S, bs, W = 16, 4, 5
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, S + 16, 8), torch.randn(2, 2, S + 16, 8)
+    types = ["sliding_attention", "full_attention"]
+    kw = dict(anchors=anchors, block_size=bs, ctx_len=S, layer_types=types, sliding_window=W, is_causal=is_causal)
+    sdpa = make_attend("sdpa", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": expected on CPU
+        flex = make_attend("flex", compile=False, **kw)
+        for t in types:
+            mask = rule_mask(anchors, bs, S, torch.tensor([S, S]), t, W, is_causal)
+            ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            assert torch.allclose(sdpa(q, k, v, t), ref, atol=1e-6), t
+            assert torch.allclose(flex(q, k, v, t), ref, atol=1e-5), t
+    default = make_attend("sdpa", **{**kw, "is_causal": None})
+    changed = "sliding_attention" if is_causal is False else "full_attention"
+    assert not torch.allclose(default(q, k, v, changed), sdpa(q, k, v, changed))  # the key changes that layer type
+
+
+@pytest.mark.parametrize("block_size", [8, 5])
+def test_block_tables_equal_create_block_mask_for_is_causal(block_size):
+    """block_tables with causal given explicitly (is_causal false: sliding layers bidirectional in the block;
+    true: full layers causal) equal create_block_mask evaluating the same predicate on every pair."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from pipeline.masks import _pad_anchors, dflash_mask_mod, padded_len
+
+    g = torch.Generator().manual_seed(100 + block_size)
+    for trial in range(4):
+        S = int(torch.randint(20, 500, (1,), generator=g))
+        S = padded_len(S) if trial % 2 else S
+        lens = torch.tensor([S, int(torch.randint(3, S + 1, (1,), generator=g))])
+        per_row = []
+        for n in lens.tolist():
+            m = torch.zeros(S, dtype=torch.bool)
+            m[:n] = torch.rand(n, generator=g) > 0.2
+            per_row.append(sample_anchors(m, int(torch.randint(1, 40, (1,), generator=g)), g))
+        anchors = stack_anchors(per_row)
+        for window, causal in ((int(torch.randint(3, 300, (1,), generator=g)), False), (None, True)):
+            got = flex_block_mask(anchors, block_size, S, lens, window, causal=causal)
+            q_len, kv_len = padded_len(anchors.shape[1] * block_size), padded_len(S + anchors.shape[1] * block_size)
+            mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, S, block_size, window, causal)
+            ref = create_block_mask(mod, 2, None, q_len, kv_len, device="cpu")
+            for num, idx in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                             ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]:
+                assert torch.equal(getattr(got, num), getattr(ref, num)), (trial, window, num)
+                cols = getattr(ref, idx).shape[-1]
+                assert torch.equal(_tiles(getattr(got, num), getattr(got, idx), cols),
+                                   _tiles(getattr(ref, num), getattr(ref, idx), cols)), (trial, window, idx)
