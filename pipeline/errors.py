@@ -12,5 +12,10 @@ class UserError(Exception):
     """An error the user can fix; the message says what is wrong and what to do."""
 
 
+class StoreError(UserError, RuntimeError):
+    """A store that cannot be used as asked; the message says what is wrong and what to do (pipeline/store.py and
+    its lock raise it; it lives here so the lock needs nothing of the store module)."""
+
+
 class NonFiniteLoss(RuntimeError):
     """Training produced a NaN/Inf loss (diverged); the message names the step and what to try."""

@@ -64,7 +64,8 @@ from typing import Any, Optional
 import numpy as np
 
 from pipeline.encoding import ENCODINGS, part_names, parts_spec
-from pipeline.errors import UserError
+from pipeline.errors import StoreError, UserError
+from pipeline.store_lock import ShardLock, exists, is_local  # noqa: F401  (re-exported: st.exists, st.is_local)
 
 SCHEMA_VERSION = 1
 FROZEN_HEAD_FILE = "frozen_head.safetensors"
@@ -76,10 +77,6 @@ INTEGRITY_ATTR = "dflash_integrity"  # root attribute: {"version": 1, "provenanc
 PROGRESS_SHA = "progress_sha256"  # shard attribute beside "progress"
 # arrays that can hold all-zero chunks, which stores written before "every_chunk" did not store
 MAYBE_EMPTY = ("loss_mask", "split", "sample_start")
-
-
-class StoreError(UserError, RuntimeError):
-    """A store that cannot be used as asked; the message says what is wrong and what to do."""
 
 
 class StoreDataError(StoreError):
@@ -126,19 +123,6 @@ def feature_dtype(encoding: str) -> str:
 def token_arrays(encoding: str) -> tuple[str, ...]:
     """The per-token arrays of a shard (rows = tokens) for this encoding."""
     return ("tokens", "loss_mask", *part_names(encoding))
-
-
-def is_local(path: str) -> bool:
-    return "://" not in str(path) or str(path).startswith("file://")
-
-
-def exists(path: str) -> bool:
-    if is_local(path):
-        return Path(str(path).removeprefix("file://")).exists()
-    import fsspec
-
-    fs, p = fsspec.core.url_to_fs(path)
-    return fs.exists(p)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -324,8 +308,6 @@ class ShardWriter:
 
     def __init__(self, path: str, shard_index: int, root_attrs: dict, lock_token: Optional[str] = None,
                  command: str = ""):
-        from pipeline.store_lock import ShardLock
-
         self.path, self.index = path, shard_index
         self._own_lock = lock_token is None
         self.lock = (ShardLock.acquire(path, shard_index, command or _this_command()) if self._own_lock

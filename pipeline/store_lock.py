@@ -35,15 +35,29 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from pipeline import store as st
+from pipeline.errors import StoreError
 
 LOCKS_DIR = "locks"
 DEFAULT_TTL = 120.0  # seconds without a heartbeat after which a holder on another machine counts as dead
 CLAIM_ABANDONED = 30.0  # a takeover claim older than this was left by a process killed while taking over
 
 
-class ShardLockedError(st.StoreError):
+class ShardLockedError(StoreError):
     """Another live process holds the shard; the message names it and says what to do."""
+
+
+def is_local(path: str) -> bool:
+    """A path on this machine's filesystem (plain or file://), not an fsspec URL."""
+    return "://" not in str(path) or str(path).startswith("file://")
+
+
+def exists(path: str) -> bool:
+    if is_local(path):
+        return Path(str(path).removeprefix("file://")).exists()
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    return fs.exists(p)
 
 
 def lock_path(store: str, index: int) -> str:
@@ -119,7 +133,7 @@ def describe(rec: dict, store: str, index: int) -> str:
 
 class _FS:
     def __init__(self, store: str):
-        self.local = st.is_local(store)
+        self.local = is_local(store)
         if not self.local:
             import fsspec
 
@@ -230,7 +244,7 @@ class ShardLock:
                 raise ShardLockedError(describe(held, store, index))
             lock._take_over(held)
             time.sleep(0.01 * attempt)
-        raise st.StoreError(f"could not take the lock {lock.path} after 50 attempts (other processes kept "
+        raise StoreError(f"could not take the lock {lock.path} after 50 attempts (other processes kept "
                             "taking it); rerun the command")
 
     @classmethod
@@ -240,7 +254,7 @@ class ShardLock:
         held = _parse(lock._fs.read(lock.path))
         if held is None or held["token"] != token:
             holder = describe(held, store, index) if held else "it is not held at all"
-            raise st.StoreError(f"this worker's lock on shard {index} of {store} is gone: {holder}")
+            raise StoreError(f"this worker's lock on shard {index} of {store} is gone: {holder}")
         lock.rec = held
         return lock
 
@@ -272,7 +286,7 @@ class ShardLock:
             self.lost = True
             held = _parse(self._fs.read(self.path))
             who = describe(held, self.store, self.index) if held else "the lock file is gone"
-            raise st.StoreError(f"lost the lock on shard {self.index} of {self.store} (another process took it over "
+            raise StoreError(f"lost the lock on shard {self.index} of {self.store} (another process took it over "
                                 f"while this one looked dead): {who}. Nothing more is written by this process")
 
     def add_pid(self, pid: int) -> None:
@@ -327,7 +341,7 @@ def acquire_all(store: str, indices: list[int], command: str) -> list[ShardLock]
 def refuse_if_held(store: str, indices: list[int]) -> None:
     """Raise ShardLockedError if a live process holds one of these shards: a cheap early look, before a run
     spends minutes on its set-up (`acquire_all` is what guarantees one writer)."""
-    if not st.exists(store):
+    if not exists(store):
         return
     for i in sorted(indices):
         rec = holder(store, i)
