@@ -145,7 +145,7 @@ def normalise_messages(row: Any, require_assistant: bool = True) -> list[dict[st
             raise _BadRow("missing messages/conversations", f"turn {k} is not an object")
         role = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
-        if role not in ROLE_ALIASES:
+        if not isinstance(role, str) or role not in ROLE_ALIASES:  # a list or an object is no role (nor hashable)
             raise _BadRow("unknown role", f"turn {k} has role {role!r} (expected one of {', '.join(ROLE_ALIASES)})")
         if not require_assistant and ROLE_ALIASES[role] == "assistant":
             messages.append({"role": "assistant", "content": content if isinstance(content, str) else ""})
@@ -185,8 +185,8 @@ def _iter_jsonl(path: Path, max_row_bytes: Optional[int] = None) -> Iterator[tup
                 continue
             try:
                 yield line_no, json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                yield line_no, _BadRow("invalid JSON", f"invalid JSON ({e})")
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+                yield line_no, _BadRow("invalid JSON", f"invalid JSON ({str(e)[:200]})")
             except RecursionError:
                 yield line_no, _BadRow("invalid JSON", "invalid JSON (nested deeper than the JSON parser allows)")
 

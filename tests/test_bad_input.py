@@ -59,6 +59,8 @@ def test_every_integer_option_of_the_cli_has_a_range():
 # --- JSON rows (data/ingest.py): deeply nested, lone surrogate, oversized --------------------------------------
 
 NESTED = '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}"  # RecursionError inside json.loads
+LONG_INT = '{"messages": [], "n": 1' + "0" * 5000 + "}"  # ValueError: over Python's 4300-digit int limit
+LIST_ROLE = '{"messages": [{"role": ["user"], "content": "hi"}, {"role": "assistant", "content": "ok"}]}'
 SURROGATE = '{"messages": [{"role": "user", "content": "hi \\ud800 there"}, {"role": "assistant", "content": "ok"}]}'
 
 
@@ -76,6 +78,8 @@ def _big_row(n_bytes: int) -> str:
 
 @pytest.mark.parametrize("row,reason", [
     (NESTED, r"line 2: invalid JSON \(nested deeper than the JSON parser allows\)"),
+    (LONG_INT, r"line 2: invalid JSON \(Exceeds the limit \(4300 digits\)"),
+    (LIST_ROLE, r"line 2: turn 0 has role \['user'\] \(expected one of"),
     (SURROGATE, r"line 2: turn 0 content holds a lone surrogate '\\ud800' at character 3"),
     (_big_row(3 << 20), r"line 2: the row is 3,145,\d+ bytes, over the cap of 1,048,576 \(64 per token of "
                         r"data\.max_length, at least 1 MiB\).*raise data\.max_length"),
@@ -99,13 +103,14 @@ def test_on_bad_row_skip_skips_and_counts_every_malformed_row(tmp_path):
 
     good = _good_rows(3)
     path = tmp_path / "d.jsonl"
-    path.write_text("\n".join([good[0], NESTED, SURROGATE, good[1], _big_row(3 << 19), "{not json", good[2]]) + "\n")
+    path.write_text("\n".join([good[0], NESTED, SURROGATE, good[1], _big_row(3 << 19), "{not json", LONG_INT,
+                               LIST_ROLE, good[2]]) + "\n")
     tok = load_tokenizer(str(TINY_TARGET))
     cfg = load_config(TINY, [f"data.train_files=[{path}]", "data.on_bad_row=skip", "data.validation_files=[]",
                              "data.validation_fraction=0"])
     samples, report = ingest(cfg.data, tok)
-    assert len(samples) == 3 and report.rows_read == 7
-    assert dict(report.skipped) == {"invalid JSON": 2, "invalid text": 1, "oversized row": 1}
+    assert len(samples) == 3 and report.rows_read == 9
+    assert dict(report.skipped) == {"invalid JSON": 3, "invalid text": 1, "oversized row": 1, "unknown role": 1}
     # a longer data.max_length raises the cap (64 bytes per token): the 1.5 MiB row is then read, and kept
     cfg = load_config(TINY, [f"data.train_files=[{path}]", "data.on_bad_row=skip", "data.validation_files=[]",
                              "data.validation_fraction=0",
