@@ -39,6 +39,7 @@ from typing import Optional
 from stages.regen_records import CommitLog, Prompt, RegenError, Reply, regenerate_batch
 
 RETRY_CODES = {408, 409, 425, 429, 500, 502, 503, 504}
+_TOKENIZE = threading.Lock()  # a fast tokenizer shared by the lanes may fail with "Already borrowed" when raced
 
 
 def base_url(url: str) -> str:
@@ -151,7 +152,8 @@ class ServerEngine:
         tokens = usage.get("completion_tokens")
         if tokens is None:  # no usage: our count, plus the stop token when it stopped
             text = content if isinstance(content, str) else ""
-            tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (finish == "stop")
+            with _TOKENIZE:
+                tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (finish == "stop")
         if not isinstance(content, str):
             return Reply(tokens=int(tokens), error=f"the server answered with no text ({no_text_cause(message, finish)})")
         return Reply(text=content, tokens=int(tokens), truncated=finish == "length")
