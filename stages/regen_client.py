@@ -155,7 +155,8 @@ class ServerEngine:
             with _TOKENIZE:
                 tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (finish == "stop")
         if not isinstance(content, str):
-            return Reply(tokens=int(tokens), error=f"the server answered with no text ({no_text_cause(message, finish)})")
+            cause = no_text_cause(message, finish)
+            return Reply(tokens=int(tokens), error=f"the server answered with no text ({cause})")
         return Reply(text=content, tokens=int(tokens), truncated=finish == "length")
 
 

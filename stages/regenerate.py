@@ -185,8 +185,8 @@ def _regenerate(cfg, config_path, overrides, files, out, shards, gpus, servers, 
           f"max_new_tokens={settings['max_new_tokens']}; provenance in {out_dir / 'manifest.json'}", file=sys.stderr)
     print(accounting_lines(manifest), file=sys.stderr)
     if manifest["failed"]:
-        print(f"regenerate: {len(manifest['failed'])} conversation(s) failed and are not in the outputs; fix the cause, "
-              f"then rerun the same command to retry only them: {command}", file=sys.stderr)
+        print(f"regenerate: {len(manifest['failed'])} conversation(s) failed and are not in the outputs; fix the "
+              f"cause, then rerun the same command to retry only them: {command}", file=sys.stderr)
         return 1
     return 0
 
@@ -195,9 +195,9 @@ def accounting_lines(manifest: dict, first: int = 5) -> str:
     """The counts (input = written + skipped + failed) and the first reasons of what was skipped or failed."""
     acc = manifest["accounting"]
     skipped = {k: n for k, n in acc["skipped"].items() if n}
+    why = f" ({', '.join(f'{k} {n}' for k, n in skipped.items())})" if skipped else ""
     lines = [f"regenerate: {acc['input']} input conversation(s): {acc['written']} written, "
-             f"{sum(skipped.values())} skipped{' (' + ', '.join(f'{k} {n}' for k, n in skipped.items()) + ')' if skipped else ''}, "
-             f"{acc['failed']} failed"]
+             f"{sum(skipped.values())} skipped{why}, {acc['failed']} failed"]
     for key, label in (("failed", "failed"), ("dropped", "skipped")):
         for item in manifest[key][:first]:
             lines.append(f"  {label}: {item['source']}: {item['reason']}")

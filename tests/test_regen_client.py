@@ -231,7 +231,8 @@ def test_content_null_fails_every_conversation_and_a_rerun_retries_them(tmp_path
         assert m["complete"] is False and m["conversations"] == 0 and (out / "chat.jsonl").read_text() == ""
         assert m["accounting"] == {"input": 4, "written": 0, "skipped": NO_SKIPS, "failed": 4}
         assert [f["source"] for f in m["failed"]] == [f"{prompts}, line {k}" for k in range(1, 5)]
-        assert all("turn 0: the server answered with no text (a tool call (web_search)" in f["reason"] for f in m["failed"])
+        cause = "turn 0: the server answered with no text (a tool call (web_search)"
+        assert all(cause in f["reason"] for f in m["failed"])
         assert "regenerate: 4 input conversation(s): 0 written, 0 skipped, 4 failed" in err
         assert "tool call (web_search)" in err and "rerun the same command to retry only them" in err
         assert read_log(out / "work" / "logs" / "server.jsonl")[0] == []  # nothing committed as done
