@@ -19,7 +19,8 @@ Contract:
   A line is committed once it ends with a newline and parses; opening the log cuts a torn last line (a kill -9
   mid-write), so the work it held is recomputed and nothing is duplicated or lost.
 - Rows (one per conversation): index, messages (None when no response was kept), tokens generated, the turn
-  cut at max_new_tokens (or None), and why the conversation ended early (or None).
+  cut at max_new_tokens (or None), and why the conversation ended early (or None); a failed row also has
+  `failed` (its reason) and is handed to the parent, never to a commit log.
 """
 
 from __future__ import annotations
