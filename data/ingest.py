@@ -26,10 +26,15 @@ Contract:
   reruns and resumes see the same samples whatever the file order; `max_samples` caps after ordering
   (rows past the cap are not tokenised). Split: rows of validation_files are "validation"; without
   validation_files a sample is "validation" iff int(sha256(sample_id)[:8], 16) / 2**32 < fraction.
-- Bad rows (invalid JSON, missing messages/conversations, unknown role, empty or non-string content, no
-  assistant turn, empty file, chat-template failure): with on_bad_row="error" the first one raises
-  `IngestError` naming file, line (1-based; row index for datasets), reason and the fix; with "skip" they
-  are counted by reason in `IngestReport.skipped`. Ingest that yields no sample raises `IngestError`.
+- Bad rows (invalid JSON, JSON nested too deep for the parser, missing messages/conversations, unknown role,
+  empty or non-string content, text with a lone surrogate such as "\\ud800", no assistant turn, an oversized
+  row, empty file, chat-template failure): with on_bad_row="error" the first one raises `IngestError` naming
+  file, line (1-based; row index for datasets), reason and the fix; with "skip" they are counted by reason in
+  `IngestReport.skipped`. Ingest that yields no sample raises `IngestError`.
+- Oversized rows: a JSONL line of more than `row_byte_cap(max_length)` bytes (64 bytes per token of
+  data.max_length, at least 1 MiB; a row that long keeps under 1/16 of itself after truncation) is a bad row,
+  read in bounded pieces and never parsed or tokenised; a datasets row whose contents exceed that many
+  characters is one too.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +63,16 @@ class IngestError(UserError, ValueError):
 
 class ChatTemplateError(IngestError):
     """The chat template failed, or its renders do not let us locate the assistant turns."""
+
+
+ROW_BYTES_PER_TOKEN = 64  # an oversized row: more raw bytes than this per token of data.max_length ...
+MIN_ROW_CAP = 1 << 20  # ... and more than 1 MiB
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # valid JSON ("\\ud800"), not text: UTF-8 cannot encode it
+
+
+def row_byte_cap(max_length: int) -> int:
+    """The size over which a row is a bad row (see the module contract)."""
+    return max(MIN_ROW_CAP, ROW_BYTES_PER_TOKEN * max_length)
 
 
 class _BadRow(Exception):
@@ -129,7 +145,7 @@ def normalise_messages(row: Any, require_assistant: bool = True) -> list[dict[st
             raise _BadRow("missing messages/conversations", f"turn {k} is not an object")
         role = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
-        if role not in ROLE_ALIASES:
+        if not isinstance(role, str) or role not in ROLE_ALIASES:  # a list or an object is no role (nor hashable)
             raise _BadRow("unknown role", f"turn {k} has role {role!r} (expected one of {', '.join(ROLE_ALIASES)})")
         if not require_assistant and ROLE_ALIASES[role] == "assistant":
             messages.append({"role": "assistant", "content": content if isinstance(content, str) else ""})
@@ -138,22 +154,47 @@ def normalise_messages(row: Any, require_assistant: bool = True) -> list[dict[st
             raise _BadRow("non-string content", f"turn {k} content is {type(content).__name__}, not a string")
         if not content.strip():
             raise _BadRow("empty content", f"turn {k} ({role}) has empty content")
+        bad = _LONE_SURROGATE.search(content)
+        if bad:
+            raise _BadRow("invalid text", f"turn {k} content holds a lone surrogate {bad.group()!r} at character "
+                          f"{bad.start()} (a JSON \\ud800-style escape without its pair is not text)")
         messages.append({"role": ROLE_ALIASES[role], "content": content})
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise _BadRow("no assistant turn", "the conversation has no assistant turn to learn from")
     return messages
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """(1-based line, parsed row or _BadRow) for each non-blank line."""
+def _iter_jsonl(path: Path, max_row_bytes: Optional[int] = None) -> Iterator[tuple[int, Any]]:
+    """(1-based line, parsed row or _BadRow) for each non-blank line; a line over max_row_bytes is read in 1 MiB
+    pieces to its end and never held whole."""
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        line_no = 0
+        while True:
+            raw = f.readline(max_row_bytes + 1) if max_row_bytes else f.readline()
+            if not raw:
+                return
+            line_no += 1
+            if max_row_bytes and len(raw) > max_row_bytes and not raw.endswith(b"\n"):
+                size = len(raw)
+                while raw and not raw.endswith(b"\n"):  # skip the rest of this line
+                    raw = f.readline(MIN_ROW_CAP)
+                    size += len(raw)
+                yield line_no, _oversized(f"the row is {size:,} bytes", max_row_bytes)
+                continue
             if not raw.strip():
                 continue
             try:
                 yield line_no, json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                yield line_no, _BadRow("invalid JSON", f"invalid JSON ({e})")
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+                yield line_no, _BadRow("invalid JSON", f"invalid JSON ({str(e)[:200]})")
+            except RecursionError:
+                yield line_no, _BadRow("invalid JSON", "invalid JSON (nested deeper than the JSON parser allows)")
+
+
+def _oversized(what: str, cap: int) -> _BadRow:
+    return _BadRow("oversized row", f"{what}, over the cap of {cap:,} (64 per token of data.max_length, at least "
+                   "1 MiB): truncation would keep a small part of it, so it is neither parsed nor tokenised; "
+                   "split or shorten the conversation, or raise data.max_length")
 
 
 def _iter_dataset(path: Path, split: str) -> tuple[str, Iterator[tuple[int, Any]]]:
@@ -182,12 +223,13 @@ def _iter_dataset(path: Path, split: str) -> tuple[str, Iterator[tuple[int, Any]
 
 def read_conversations(
     path: str | Path, on_bad_row: str = "error", *, split: str = "train", report: Optional[IngestReport] = None,
-    require_assistant: bool = True,
+    require_assistant: bool = True, max_row_bytes: Optional[int] = None,
 ) -> Iterator[tuple[str, int, list[dict[str, str]]]]:
     """Yield (source, line or row index, normalised messages) for each good row of one input.
 
     `split` picks the DatasetDict split for dataset directories. Bad rows raise IngestError
     (on_bad_row="error") or are counted in `report.skipped` (on_bad_row="skip"); see normalise_messages.
+    `max_row_bytes` (`row_byte_cap(data.max_length)`): larger rows are bad rows (see the module contract).
     """
     path = Path(path)
     report = report if report is not None else IngestReport()
@@ -196,7 +238,7 @@ def read_conversations(
     if path.is_dir():
         source, rows = _iter_dataset(path, split)
     else:
-        source, rows = str(path), _iter_jsonl(path)
+        source, rows = str(path), _iter_jsonl(path, max_row_bytes)
     seen = 0
     for line_no, row in rows:
         seen += 1
@@ -205,6 +247,9 @@ def read_conversations(
             if isinstance(row, _BadRow):
                 raise row
             messages = normalise_messages(row, require_assistant)
+            chars = sum(len(m["content"]) for m in messages)
+            if max_row_bytes and chars > max_row_bytes:  # a datasets row (a JSONL line over the cap is not parsed)
+                raise _oversized(f"the row holds {chars:,} characters", max_row_bytes)
         except _BadRow as bad:
             if on_bad_row != "skip":
                 raise IngestError(f"{_location(source, line_no)}: {bad.detail}; {FIX_HINT}") from None
@@ -356,7 +401,8 @@ def ingest(data_cfg: Any, tokenizer: Any) -> tuple[list[Sample], IngestReport]:
     # Validation files first, so a conversation present in both splits stays in validation.
     for split, files in (("validation", data_cfg.validation_files), ("train", data_cfg.train_files)):
         for path in files:
-            for source, line_no, messages in read_conversations(path, data_cfg.on_bad_row, split=split, report=report):
+            for source, line_no, messages in read_conversations(path, data_cfg.on_bad_row, split=split, report=report,
+                                                                max_row_bytes=row_byte_cap(data_cfg.max_length)):
                 sid = sample_id_of(messages)
                 if sid in pending:
                     report.duplicates += 1

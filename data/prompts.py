@@ -65,14 +65,17 @@ def split_segments(messages: list[dict[str, str]]) -> list[list[dict[str, str]]]
     return segments
 
 
-def read_prompts(files: list[str], on_bad_row: str = "error", report: IngestReport | None = None) -> list[Conversation]:
-    """Every conversation of `files` as segments, in input order; bad rows raise IngestError (file, line)."""
+def read_prompts(files: list[str], on_bad_row: str = "error", report: IngestReport | None = None,
+                 max_row_bytes: int | None = None) -> list[Conversation]:
+    """Every conversation of `files` as segments, in input order; bad rows raise IngestError (file, line).
+    Rows over `max_row_bytes` are bad rows (ingest's `row_byte_cap`)."""
     report = report if report is not None else IngestReport()
     if not files:
         raise IngestError("no prompt files: pass --prompts FILE (JSONL messages/conversations or a datasets dir)")
     out: list[Conversation] = []
     for k, path in enumerate(files):
-        for source, line_no, messages in read_conversations(path, on_bad_row, report=report, require_assistant=False):
+        for source, line_no, messages in read_conversations(path, on_bad_row, report=report, require_assistant=False,
+                                                            max_row_bytes=max_row_bytes):
             segments = split_segments(messages)
             where = _location(source, line_no)
             if not segments:

@@ -128,7 +128,8 @@ def extract(config_path, overrides, shards, gpus, shard_index, store, plan):
                    "Repeatable, or comma-separated.")
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Output directory: one JSONL per prompt file + manifest.json (point data.train_files at them).")
-@click.option("--shards", type=int, default=None, help="Embedded engine: worker processes (default: one per visible "
+@click.option("--shards", type=click.IntRange(min=1), default=None,
+              help="Embedded engine: worker processes (default: one per visible "
               "GPU, 1 on CPU).")
 @click.option("--gpus", default=None, help="Embedded engine: GPUs for the shards, e.g. 0,1,2 (default: shard i on GPU i).")
 @click.option("--server", "servers", multiple=True, metavar="URL",
@@ -187,7 +188,8 @@ def train(config_path, overrides, gpus, devices, store, resume, no_export, rebui
 @click.option("--extract-gpus", default="", help="GPUs for extraction, one shard each, e.g. 0-4 (empty: CPU workers, "
               "extract.shards of them).")
 @click.option("--train-gpus", default="", help="GPUs for the training ranks, e.g. 5-7 (empty: CPU processes).")
-@click.option("--devices", type=int, default=None, help="Without --train-gpus: number of CPU training processes.")
+@click.option("--devices", type=click.IntRange(min=1), default=None,
+              help="Without --train-gpus: number of CPU training processes.")
 @click.option("--store", default=None, help="Store path or URL (default: store.path).")
 def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
     """Both stages on one node at once: extract on some GPUs while training follows the growing store on others.

@@ -2,7 +2,8 @@
 
 Contract:
 - `load_config(path, overrides)` returns a `Config`; every section is a frozen-ish dataclass whose fields
-  have types. Unknown keys, wrong types and bad values raise `ConfigError` naming the key and the file.
+  have types. Unknown keys, wrong types and bad values raise `ConfigError` naming the key and the file; every
+  numeric key has its allowed range in pipeline/config_ranges.py (checked first, naming the value too).
 - Overrides are `section.field=value` strings (`--set train.lr=3e-4`); the value is parsed as YAML and
   validated exactly like the file.
 - Relative paths (data files, store, run dir) are relative to the current directory, where the user runs
@@ -136,7 +137,7 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     epochs: int = 6
     max_steps: int = -1  # -1: run all epochs
-    grad_clip: float = 1.0
+    grad_clip: Optional[float] = 1.0  # max gradient norm; 0 or null: no clipping
     num_anchors: int = 512  # anchors per sample (rule fixed), or the cap (rule proportional)
     anchor_rule: str = "fixed"  # fixed: num_anchors per sample | proportional: ~anchors_per_token per labelled token
     anchors_per_token: Optional[float] = None  # proportional: None = num_anchors / data.max_length
@@ -309,11 +310,14 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
 
 
 def _validate(cfg: Config) -> None:
+    from pipeline.config_ranges import check_ranges
+
     src = cfg.source
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
             raise ConfigError(f"{src}: {section}.{key} = {value!r} is not one of {', '.join(choices)}")
+    check_ranges(cfg)  # every numeric key in its range, before the checks that relate keys to each other
     d = cfg.drafter
     if d.layer_types is not None:
         if len(d.layer_types) != d.num_hidden_layers:
@@ -328,53 +332,15 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{src}: drafter.layer_types uses sliding_attention; set drafter.sliding_window")
     if d.num_attention_heads % d.num_key_value_heads:
         raise ConfigError(f"{src}: drafter.num_attention_heads must be a multiple of drafter.num_key_value_heads")
-    if d.block_size < 2:
-        raise ConfigError(f"{src}: drafter.block_size must be at least 2")
     if d.arch == "dflash2":
         _validate_dflash2(cfg)
-    positive = [
-        ("data", "max_length"), ("store", "chunk_tokens"), ("extract", "shards"), ("extract", "token_budget"),
-        ("extract", "max_batch_size"), ("train", "epochs"), ("train", "num_anchors"), ("train", "batch_size"),
-        ("train", "loss_chunk_rows"), ("train", "checkpoint_every"), ("train", "val_every"),
-        ("train", "ddp_bucket_cap_mb"),
-    ]
-    for section, key in positive:
-        if getattr(getattr(cfg, section), key) <= 0:
-            raise ConfigError(f"{src}: {section}.{key} must be positive")
-    _validate_regenerate(cfg.regenerate, src)
     _validate_anchors(cfg.train, src)
     if cfg.data.max_length > d.max_position_embeddings:
         raise ConfigError(f"{src}: data.max_length ({cfg.data.max_length}) exceeds drafter.max_position_embeddings "
                           f"({d.max_position_embeddings}): the drafter would train on positions its exported config "
                           "says it does not have; raise drafter.max_position_embeddings (long samples: 8K-16K)")
-    if cfg.eval.temperature < 0 or not 0.0 < cfg.eval.top_p <= 1.0:
-        raise ConfigError(f"{src}: eval.temperature must be >= 0 (0 = greedy) and eval.top_p in (0, 1]; got "
-                          f"{cfg.eval.temperature} and {cfg.eval.top_p}")
-    if cfg.train.follow_buffer < 0:
-        raise ConfigError(f"{src}: train.follow_buffer must be 0 or more (samples)")
-    if cfg.train.length_group_factor < 0:
-        raise ConfigError(f"{src}: train.length_group_factor must be 0 (no grouping by length) or more (batches "
-                          "per length-sorted window)")
-    if not 0.0 <= cfg.data.validation_fraction < 1.0:
-        raise ConfigError(f"{src}: data.validation_fraction must be in [0, 1)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:
         raise ConfigError(f"{src}: target.layer_ids must be strictly increasing, got {cfg.target.layer_ids}")
-
-
-def _validate_regenerate(r: RegenerateConfig, src: str) -> None:
-    for key in ("max_batch_size", "token_budget", "concurrency", "request_timeout"):
-        if getattr(r, key) <= 0:
-            raise ConfigError(f"{src}: regenerate.{key} must be positive")
-    for key in ("max_new_tokens", "max_prompt_tokens"):
-        if getattr(r, key) is not None and getattr(r, key) <= 0:
-            raise ConfigError(f"{src}: regenerate.{key} must be positive (or null for data.max_length)")
-    if r.temperature < 0:
-        raise ConfigError(f"{src}: regenerate.temperature must be >= 0 (0 is greedy)")
-    if not 0.0 < r.top_p <= 1.0:
-        raise ConfigError(f"{src}: regenerate.top_p must be in (0, 1]")
-    for key in ("top_k", "retries", "retry_backoff", "seed"):
-        if getattr(r, key) < 0:
-            raise ConfigError(f"{src}: regenerate.{key} must be >= 0")
 
 
 def _validate_dflash2(cfg: Config) -> None:
@@ -386,15 +352,6 @@ def _validate_dflash2(cfg: Config) -> None:
     if d.conv_group_size <= 0 or d.hidden_size % d.conv_group_size:
         raise ConfigError(f"{src}: drafter.conv_group_size = {d.conv_group_size} must divide drafter.hidden_size "
                           f"({d.hidden_size})")
-    for key in ("selector_rank", "selector_top_k"):
-        if getattr(d, key) <= 0:
-            raise ConfigError(f"{src}: drafter.{key} must be positive")
-    if d.output_multiplier <= 0:
-        raise ConfigError(f"{src}: drafter.output_multiplier must be positive (it scales the unary logits)")
-    if d.final_logit_softcapping is not None and d.final_logit_softcapping <= 0:
-        raise ConfigError(f"{src}: drafter.final_logit_softcapping must be positive, or null for none")
-    if cfg.train.selector_loss_alpha < 0:
-        raise ConfigError(f"{src}: train.selector_loss_alpha must be >= 0")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -472,9 +429,6 @@ def build_target_layer_ids(num_layers: int, n: int) -> list[int]:
 
 
 def _validate_anchors(t: TrainConfig, src: str) -> None:
-    if t.anchors_per_token is not None and not 0.0 < t.anchors_per_token <= 1.0:
-        raise ConfigError(f"{src}: train.anchors_per_token must be in (0, 1] (anchors per labelled token), "
-                          f"got {t.anchors_per_token}")
     if t.anchors_per_token is not None and t.anchor_rule != "proportional":
         raise ConfigError(f"{src}: train.anchors_per_token is only used with train.anchor_rule=proportional; "
                           "set that too, or drop anchors_per_token")

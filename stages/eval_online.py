@@ -41,7 +41,7 @@ def log(msg: str) -> None:
 
 def heldout_prompts(cfg: Config, n: int) -> list[tuple[str, list[dict]]]:
     """(sample_id, messages before the first assistant turn) of up to n validation conversations, by sample id."""
-    from data.ingest import is_validation, read_conversations, sample_id_of
+    from data.ingest import is_validation, read_conversations, row_byte_cap, sample_id_of
 
     if cfg.data.validation_files:
         sources, keep = cfg.data.validation_files, (lambda sid: True)
@@ -52,7 +52,8 @@ def heldout_prompts(cfg: Config, n: int) -> list[tuple[str, list[dict]]]:
         split = "train"
     found: dict[str, list[dict]] = {}
     for path in sources:
-        for _src, _line, messages in read_conversations(path, "skip", split=split):
+        for _src, _line, messages in read_conversations(path, "skip", split=split,
+                                                        max_row_bytes=row_byte_cap(cfg.data.max_length)):
             sid = sample_id_of(messages)
             if not keep(sid):
                 continue

@@ -7,14 +7,19 @@ Standard library only (urllib, threads): one HTTP request per response, no clien
 - Requests use the chat completions API with the run's sampling settings (greedy: temperature 0), max_tokens =
   max_new_tokens, a per-response seed, and chat_template_kwargs.enable_thinking = data.enable_thinking.
   The server's usage.prompt_tokens must equal the length of ingest's render of the same messages: a server
-  rendering another template or thinking mode stops the run, naming both counts. A response whose reasoning
-  came back split out (a server started with --reasoning-parser) stops it too: training needs the raw text.
+  rendering another template or thinking mode stops the run, naming both counts. A server that sends no
+  usage cannot be checked so: the run warns once and counts output tokens with the target's tokenizer. A
+  response whose reasoning came back split out (a server started with --reasoning-parser) stops the run too:
+  training needs the raw text. `content: null` (a tool call, a refusal, or nothing) fails that conversation,
+  naming the cause; an empty string is the model's own empty answer (the conversation ends there).
 - Concurrency: regenerate.concurrency conversations in flight per URL, each on its own thread (turns of one
   conversation go in order); the threads spread over the URLs, and a retried request moves to the next URL.
   Connection errors, timeouts and HTTP 408/429/5xx are retried regenerate.retries times with exponential
-  backoff (regenerate.retry_backoff, doubling, at most 60 s, jittered). Other 4xx answers end that
-  conversation (recorded in the manifest), unless no request has succeeded yet (then the run stops).
-- One commit-log record (`work/logs/server.jsonl`) per finished conversation, written by the main thread.
+  backoff (regenerate.retry_backoff, doubling, at most 60 s, jittered). Other 4xx answers (e.g. 400 for a
+  prompt over the server's max-model-len) fail that conversation, unless no request has succeeded yet (then
+  the run stops).
+- One commit-log record (`work/logs/server.jsonl`) per finished conversation, written by the main thread; a
+  failed conversation gets none (a rerun retries it) and `run_server` returns it with its reason.
   Ctrl-C/SIGTERM stops at once: requests in flight are abandoned and recomputed on resume (exit 130).
 """
 
@@ -34,6 +39,7 @@ from typing import Optional
 from stages.regen_records import CommitLog, Prompt, RegenError, Reply, regenerate_batch
 
 RETRY_CODES = {408, 409, 425, 429, 500, 502, 503, 504}
+_TOKENIZE = threading.Lock()  # a fast tokenizer shared by the lanes may fail with "Already borrowed" when raced
 
 
 def base_url(url: str) -> str:
@@ -74,9 +80,10 @@ class ServerEngine:
     """Chat-completions requests for one thread (`lane`); `shared` holds the state all lanes see."""
 
     def __init__(self, urls: list[str], model: str, settings: dict, lane: int, shared: dict, timeout: float,
-                 retries: int, backoff: float, stop: threading.Event):
+                 retries: int, backoff: float, stop: threading.Event, tokenizer=None, warn=None):
         self.urls, self.model, self.s, self.lane, self.shared = urls, model, settings, lane, shared
         self.timeout, self.retries, self.backoff, self.stop = timeout, retries, backoff, stop
+        self.tokenizer, self.warn = tokenizer, warn or (lambda _msg: None)
 
     def generate(self, prompts: list[Prompt]) -> Optional[list[Reply]]:
         replies = []
@@ -127,7 +134,13 @@ class ServerEngine:
         if message.get("reasoning_content") or message.get("reasoning"):
             raise RegenError(f"{url} returns the reasoning apart from the answer (a --reasoning-parser is on); "
                              "restart the server without it so responses are the target's raw text")
-        served = (body.get("usage") or {}).get("prompt_tokens")
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+        served = usage.get("prompt_tokens")
+        if served is None and not self.shared.get("warned_usage"):
+            self.shared["warned_usage"] = True
+            self.warn(f"regenerate: warning: {url} sends no usage.prompt_tokens, so the check that it renders prompts "
+                      "with the target's chat template is skipped (first seen on this run); output tokens are counted "
+                      "with the target's tokenizer")
         if served is not None and served != len(p.ids):
             raise RegenError(
                 f"{url} rendered the prompt as {served} tokens but the target's chat template with enable_thinking="
@@ -135,24 +148,52 @@ class ServerEngine:
                 "thinking mode than training will; serve the target with its own template (and check "
                 "data.enable_thinking)")
         self.shared["succeeded"] = True
-        usage = body.get("usage") or {}
-        return Reply(text=message.get("content") or "", tokens=int(usage.get("completion_tokens") or 0),
-                     truncated=choice.get("finish_reason") == "length")
+        content, finish = message.get("content"), choice.get("finish_reason")
+        tokens = usage.get("completion_tokens")
+        if tokens is None:  # no usage: our count, plus the stop token when it stopped
+            text = content if isinstance(content, str) else ""
+            with _TOKENIZE:
+                tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (finish == "stop")
+        if not isinstance(content, str):
+            cause = no_text_cause(message, finish)
+            return Reply(tokens=int(tokens), error=f"the server answered with no text ({cause})")
+        return Reply(text=content, tokens=int(tokens), truncated=finish == "length")
 
 
-def run_server(cfg, urls: list[str], work: Path, tokenizer, settings: dict, todo: list, progress, already: int) -> int:
-    """Answer `todo` through the servers (see the module contract); 0 done, 130 stopped. Failures raise."""
+def no_text_cause(message: dict, finish: Optional[str]) -> str:
+    """Why a chat completion carries no text: a tool call, a refusal, or an empty (null) content."""
+    if message.get("tool_calls") or message.get("function_call"):
+        names = [((c or {}).get("function") or {}).get("name") for c in message.get("tool_calls") or []]
+        names = ", ".join(n for n in names if n) or (message.get("function_call") or {}).get("name") or "?"
+        return (f"a tool call ({names}) instead of text, content null; serve the target without tool calling "
+                "(e.g. no --enable-auto-tool-choice / --tool-call-parser)")
+    if message.get("refusal"):
+        return f"a refusal, content null: {str(message['refusal'])[:200]!r}"
+    content = message.get("content")
+    what = "content null" if content is None else f"content is a {type(content).__name__}, not a string"
+    return f"empty: {what}, finish_reason {finish!r}"
+
+
+def run_server(cfg, urls: list[str], work: Path, tokenizer, settings: dict, todo: list, progress,
+               already: int) -> tuple[int, dict[int, str]]:
+    """Answer `todo` through the servers (see the module contract): (0 done or 130 stopped, the failed
+    conversations' reasons by index). Errors that stop the run raise."""
     r = cfg.regenerate
     urls = [base_url(u) for u in urls]
     model = check_served_model(urls, cfg.target.name, cfg.target.path, min(r.request_timeout, 60.0))
     stop, shared = threading.Event(), {}
+
+    def warn(msg: str) -> None:
+        print(msg, file=progress.out, flush=True)
+
     pending: queue.Queue = queue.Queue()
     for conv in todo:
         pending.put(conv)
     results: queue.Queue = queue.Queue()
 
     def lane(i: int) -> None:
-        engine = ServerEngine(urls, model, settings, i, shared, r.request_timeout, r.retries, r.retry_backoff, stop)
+        engine = ServerEngine(urls, model, settings, i, shared, r.request_timeout, r.retries, r.retry_backoff, stop,
+                              tokenizer, warn)
         while not stop.is_set():
             try:
                 conv = pending.get_nowait()
@@ -174,6 +215,7 @@ def run_server(cfg, urls: list[str], work: Path, tokenizer, settings: dict, todo
     old = {s: signal.signal(s, lambda _s, _f: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     log = CommitLog(work / "logs" / "server.jsonl")
     done = tokens = 0
+    failed: dict[int, str] = {}
     failure: Optional[BaseException] = None
     try:
         while done < len(todo) and not stop.is_set():
@@ -188,7 +230,10 @@ def run_server(cfg, urls: list[str], work: Path, tokenizer, settings: dict, todo
                 failure = value
                 stop.set()
                 break
-            log.append({"engine": "server", "rows": value})
+            ok = [row for row in value if not row.get("failed")]
+            failed.update({row["index"]: row["failed"] for row in value if row.get("failed")})
+            if ok:
+                log.append({"engine": "server", "rows": ok})
             done += 1
             tokens += sum(row["tokens"] for row in value)
             progress.update("server", already + done, tokens)
@@ -201,4 +246,4 @@ def run_server(cfg, urls: list[str], work: Path, tokenizer, settings: dict, todo
     progress.maybe_print(force=True)
     if failure is not None:
         raise failure
-    return 0 if done == len(todo) else 130
+    return (0 if done == len(todo) else 130), failed

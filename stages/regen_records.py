@@ -7,13 +7,20 @@ Contract:
   count against len(ids). Replies come back in prompt order.
 - `regenerate_batch` answers a batch of conversations turn by turn: round k sends turn k of every
   conversation still going, built from its segments and the target's own earlier responses. A conversation
-  ends early (recorded in its row) at a prompt over max_prompt_tokens, an empty response, a request the server
-  refused, or a response cut at max_new_tokens (kept, or dropped with keep_truncated=false).
+  ends early (recorded in its row) at a prompt over max_prompt_tokens, an empty response (the model's own
+  answer), or a response cut at max_new_tokens (kept, or dropped with keep_truncated=false): these repeat on a
+  rerun, so their rows are committed. A reply with `error` (the server refused the prompt, or answered with
+  no text: a tool call, a refusal, `content: null`) fails the whole conversation: its row carries `failed`
+  and is never committed, so a rerun retries it.
+- Accounting (`account`): every input row ends as written (a row with messages), skipped with a reason (a
+  bad row, a prompt over max_prompt_tokens, a conversation with no response kept) or failed with a reason,
+  and written + skipped + failed equals the rows read; the manifest and the last line say so.
 - `CommitLog` is an append-only JSONL file, one complete record per line, written with one write and fsynced.
   A line is committed once it ends with a newline and parses; opening the log cuts a torn last line (a kill -9
   mid-write), so the work it held is recomputed and nothing is duplicated or lost.
 - Rows (one per conversation): index, messages (None when no response was kept), tokens generated, the turn
-  cut at max_new_tokens (or None), and why the conversation ended early (or None).
+  cut at max_new_tokens (or None), and why the conversation ended early (or None); a failed row also has
+  `failed` (its reason) and is handed to the parent, never to a commit log.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ class Reply:
     text: str = ""
     tokens: int = 0  # tokens generated, the stop token included
     truncated: bool = False  # cut at max_new_tokens
-    error: Optional[str] = None  # the server refused this prompt (a 4xx answer)
+    error: Optional[str] = None  # this response failed (a 4xx answer, no text): the conversation fails
     token_ids: Optional[list] = None  # embedded engine: the generated ids (stop token included)
 
 
@@ -68,12 +75,12 @@ def conversation_of(conv: Conversation, responses: list[str]) -> Optional[list[d
 def regenerate_batch(engine: Any, tokenizer: Any, convs: list[Conversation], settings: dict,
                      should_stop: Callable[[], bool] = lambda: False) -> Optional[list[dict]]:
     """Answer every turn of `convs` (see the module contract); None when stopped before the end."""
-    state = {c.index: {"responses": [], "tokens": 0, "truncated": None, "ended": None} for c in convs}
+    state = {c.index: {"responses": [], "tokens": 0, "truncated": None, "ended": None, "failed": None} for c in convs}
     for turn in range(max(len(c.segments) for c in convs)):
         prompts, owners = [], []
         for c in convs:
             st = state[c.index]
-            if st["ended"] or st["truncated"] is not None or turn >= len(c.segments):
+            if st["ended"] or st["failed"] or st["truncated"] is not None or turn >= len(c.segments):
                 continue
             messages = history_for(c, turn, st["responses"])
             ids = render_prompt_ids(tokenizer, messages, settings["enable_thinking"])
@@ -93,7 +100,7 @@ def regenerate_batch(engine: Any, tokenizer: Any, convs: list[Conversation], set
             st = state[c.index]
             st["tokens"] += r.tokens
             if r.error:
-                st["ended"] = f"turn {turn}: {r.error}"
+                st["failed"] = f"turn {turn}: {r.error}"
             elif not r.text.strip():
                 st["ended"] = f"turn {turn}: empty response"
             elif r.truncated:
@@ -107,6 +114,10 @@ def regenerate_batch(engine: Any, tokenizer: Any, convs: list[Conversation], set
     rows = []
     for c in convs:
         st = state[c.index]
+        if st["failed"]:  # never committed: a rerun answers the whole conversation again
+            rows.append({"index": c.index, "messages": None, "tokens": st["tokens"], "truncated": None,
+                         "ended": None, "failed": st["failed"]})
+            continue
         kept = trainable_prefix(tokenizer, c, st["responses"], settings["enable_thinking"])
         if len(kept) < len(st["responses"]):
             st["ended"] = (f"turn {len(kept)}: the chat template rewrites earlier turns (e.g. strips their reasoning), "
@@ -184,8 +195,10 @@ def committed_rows(work_dir: Path) -> dict[int, dict]:
 
 
 def write_outputs(out_dir: Path, files: list[str], convs: list[Conversation], identity: dict, cfg: Any, command: str,
-                  seconds: float, report: Any) -> dict:
-    """Write one JSONL per input file (rows in input order) and then manifest.json; returns the manifest."""
+                  seconds: float, report: Any, failed: Optional[dict[int, str]] = None) -> dict:
+    """Write one JSONL per input file (rows in input order) and then manifest.json; returns the manifest.
+    `failed` (conversation index -> reason) are this attempt's failures: listed, not written, and retried by a
+    rerun; any other conversation without a committed row is an error."""
     from data.prompts import MANIFEST, MANIFEST_KIND, output_names
     from pipeline import __version__
 
@@ -194,13 +207,17 @@ def write_outputs(out_dir: Path, files: list[str], convs: list[Conversation], id
     settings = identity["settings"]
     names = output_names(files)
     per_file: list[list[str]] = [[] for _ in files]
-    lists: dict[str, list] = {"truncated": [], "ended_early": [], "dropped": [], "skipped_prompts": []}
+    failed = failed or {}
+    lists: dict[str, list] = {"truncated": [], "ended_early": [], "dropped": [], "skipped_prompts": [], "failed": []}
     responses = tokens = 0
     for c in convs:
         if c.length > settings["max_prompt_tokens"]:
             lists["skipped_prompts"].append({"source": c.source, "prompt_tokens": c.length})
             continue
         row = rows.get(c.index)
+        if row is None and c.index in failed:
+            lists["failed"].append({"source": c.source, "reason": failed[c.index]})
+            continue
         if row is None:
             raise RegenError(f"conversation {c.index} ({c.source}) has no committed response; rerun to finish it")
         tokens += row["tokens"]
@@ -228,9 +245,22 @@ def write_outputs(out_dir: Path, files: list[str], convs: list[Conversation], id
         "outputs": {n: {"input": f, "conversations": len(lines)} for n, f, lines in zip(names, files, per_file)},
         "conversations": sum(len(x) for x in per_file), "responses": responses, "output_tokens": tokens,
         "seconds_last_attempt": round(seconds, 1), **lists,
+        "accounting": account(report, per_file, lists), "complete": not lists["failed"],
     }
     write_text_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return manifest
+
+
+def account(report: Any, per_file: list, lists: dict) -> dict:
+    """Where every input row went (see the module contract); a sum that does not add up is a bug, not data."""
+    bad = sum(n for reason, n in report.skipped.items() if reason != "empty file")  # an empty file has no row
+    acc = {"input": report.rows_read, "written": sum(len(x) for x in per_file),
+           "skipped": {"bad rows": bad, "prompt over max_prompt_tokens": len(lists["skipped_prompts"]),
+                       "no response kept": len(lists["dropped"])},
+           "failed": len(lists["failed"])}
+    if acc["written"] + sum(acc["skipped"].values()) + acc["failed"] != acc["input"]:
+        raise RuntimeError(f"regenerate's accounting does not add up: {acc}")  # pragma: no cover - a bug
+    return acc
 
 
 def write_text_atomic(path: Path, text: str) -> None:

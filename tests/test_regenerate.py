@@ -232,6 +232,9 @@ def test_cli_output_is_what_extract_reads(reference_run, tiny):
     model, tok = tiny
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["conversations"] == 48 and manifest["truncated"] == [] and manifest["engines"] == ["embedded"]
+    assert manifest["complete"] and manifest["failed"] == [] and manifest["accounting"] == {
+        "input": 48, "written": 48, "failed": 0,
+        "skipped": {"bad rows": 0, "prompt over max_prompt_tokens": 0, "no response kept": 0}}
     assert manifest["sampling"]["temperature"] == 0.0 and manifest["tokenizer"]["enable_thinking"] is False
     rows = read_jsonl(out / "chat.jsonl")
     for row, src in zip(rows[::7], read_jsonl(prompts)[::7]):  # a sample against the hand-written greedy loop

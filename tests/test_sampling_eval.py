@@ -93,7 +93,7 @@ def test_eval_sampling_keys_are_validated():
     assert (cfg.eval.temperature, cfg.eval.top_p, cfg.eval.seed) == (0.7, 0.9, 0)
     with pytest.raises(ConfigError, match="eval.temperature must be >= 0"):
         load_config(None, ["eval.temperature=-1"])
-    with pytest.raises(ConfigError, match=r"eval.top_p in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"eval.top_p must be in \(0, 1\], got 0"):
         load_config(None, ["eval.top_p=0"])
 
 
