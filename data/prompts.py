@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from data.ingest import (FIX_HINT, ChatTemplateError, IngestError, IngestReport, _location, _render,
-                         read_conversations)
+from data.conversations import (FIX_HINT, ChatTemplateError, IngestError, IngestReport, _location, _render,
+                                read_conversations)
 
 MANIFEST = "manifest.json"
 MANIFEST_KIND = "dflash-regenerate"

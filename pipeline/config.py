@@ -22,12 +22,9 @@ from typing import Any, Optional
 
 import yaml
 
+from pipeline.config_ranges import check_ranges
 from pipeline.encoding import ENCODINGS
-from pipeline.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem; the message names the key, the file and the fix."""
+from pipeline.errors import ConfigError  # noqa: F401 (re-exported: pipeline.config.ConfigError)
 
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "data" / "assets"
@@ -310,8 +307,6 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
 
 
 def _validate(cfg: Config) -> None:
-    from pipeline.config_ranges import check_ranges
-
     src = cfg.source
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)

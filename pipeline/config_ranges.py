@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pipeline.errors import ConfigError
+
 U32 = 2**32 - 1  # seeds: numpy's and Lightning's seed_everything's range
 
 
@@ -136,8 +138,6 @@ RANGES: dict[tuple[str, str], Range] = {
 
 def check_ranges(cfg: Any) -> None:
     """Raise ConfigError for the first value outside its range (see the module contract)."""
-    from pipeline.config import ConfigError
-
     for (section, key), rng in RANGES.items():
         value = getattr(getattr(cfg, section), key)
         if value is None:  # the type said whether null is allowed

@@ -12,6 +12,10 @@ class UserError(Exception):
     """An error the user can fix; the message says what is wrong and what to do."""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration problem; the message names the key, the file and the fix (raised by pipeline/config.py)."""
+
+
 class StoreError(UserError, RuntimeError):
     """A store that cannot be used as asked; the message says what is wrong and what to do (pipeline/store.py and
     its lock raise it; it lives here so the lock needs nothing of the store module)."""
