@@ -122,7 +122,7 @@ class Train:
         sets = ["target.name=bench", "target.path=bench", f"target.layer_ids={a.layer_ids}", f"train.run_dir={run}", "train.epochs=1000",
                 "train.log_every=1", "train.checkpoint_every=1000000", "train.val_every=1000000",
                 "train.follow_buffer=16"] + a.train_set  # a small shuffle buffer: training starts on the backlog
-        cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", a.config, "--store", str(store), "--no-export",
+        cmd = [sys.executable, "-m", "stages.cli", "train", "--config", a.config, "--store", str(store), "--no-export",
                *(["--gpus", "0"] if a.device == "cuda" else ["--devices", "1"]), *(["--follow"] if follow else [])]
         env = {**os.environ, "DFLASH_COMPILE_CACHE": str(a.root / "compile-cache")}
         if a.device == "cuda":

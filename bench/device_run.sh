@@ -106,13 +106,13 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
       cp /tmp/tau/results.jsonl "$OUT/tau_results.jsonl"; cp /tmp/tau.log "$OUT/tau.log"; cp -r /tmp/tau/logs "$OUT/tau_logs"
       tail -20 /tmp/tau.log ;;
     tinyrate)  # the tiny drafter's GPU step rate without a profiler (num_workers=0, as the tau study trains)
-      python3 -m pipeline.cli extract --store /tmp/tr/bf16.zarr --set store.encoding=bf16 > "$OUT/tiny-extract.log" 2>&1
-      python3 -m pipeline.cli train --store /tmp/tr/bf16.zarr --no-export --set train.batch_size=8 \
+      python3 -m stages.cli extract --store /tmp/tr/bf16.zarr --set store.encoding=bf16 > "$OUT/tiny-extract.log" 2>&1
+      python3 -m stages.cli train --store /tmp/tr/bf16.zarr --no-export --set train.batch_size=8 \
         --set train.max_steps=${TINY_STEPS:-400} --set train.num_workers=0 --set train.run_dir=/tmp/tr/run \
         --set train.val_every=100000 --set train.log_every=50 2>&1 | grep -E "first batch|step [0-9]+/|Error" | head -12 ;;
     tinyprof)  # where a tiny drafter's GPU step goes (3.9 steps/s on the H200 vs 7.7 on the 2-core CPU)
-      python3 -m pipeline.cli extract --store /tmp/tp/bf16.zarr --set store.encoding=bf16 > "$OUT/tiny-extract.log" 2>&1
-      python3 -m cProfile -o "$OUT/tiny_train.prof" -m pipeline.cli train --store /tmp/tp/bf16.zarr --no-export \
+      python3 -m stages.cli extract --store /tmp/tp/bf16.zarr --set store.encoding=bf16 > "$OUT/tiny-extract.log" 2>&1
+      python3 -m cProfile -o "$OUT/tiny_train.prof" -m stages.cli train --store /tmp/tp/bf16.zarr --no-export \
         --set train.batch_size=8 --set train.max_steps=${TINY_STEPS:-200} --set train.num_workers=0 --set train.run_dir=/tmp/tp/run \
         --set train.val_every=100000 2>&1 | grep -E "first batch|step (50|100|150|200)/|Error|error" | head
       python3 -c "import pstats; s=pstats.Stats('$OUT/tiny_train.prof'); s.sort_stats('tottime').print_stats(30); s.sort_stats('cumulative').print_stats(60)" > "$OUT/tiny_train_prof.txt"

@@ -29,7 +29,7 @@ TRAIN = ["train.batch_size=8", "train.epochs=3", "train.val_every=100000", "trai
 
 def dflash(*args: str, env: dict | None = None, log: Path | None = None) -> None:
     """Run one dflash command; with `log` its output goes there (runs side by side would interleave)."""
-    cmd = [sys.executable, "-m", "pipeline.cli", *args]
+    cmd = [sys.executable, "-m", "stages.cli", *args]
     print("+ dflash " + " ".join(args), flush=True)
     full_env = {**os.environ, **(env or {})}
     if log is None:

@@ -45,7 +45,7 @@ def following(out: Path, seed: int, env: dict, delay: float, extra: list[str], e
     if facts.exists():
         return json.loads(facts.read_text())
     log.parent.mkdir(parents=True, exist_ok=True)
-    py = [sys.executable, "-m", "pipeline.cli"]
+    py = [sys.executable, "-m", "stages.cli"]
     with log.open("a") as f:
         t0 = time.time()
         x = subprocess.Popen(py + ["extract", "--store", str(store), *sets(extract_sets)], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
 """Where `dflash train`'s start-up goes before the first batch (issue 22 item 1), without a GPU step.
 
 Each measurement runs in a fresh interpreter:
-1. `imports`: the launch path's imports (pipeline.cli, stages.train, stages.train_task: torch, Lightning,
+1. `imports`: the launch path's imports (stages.cli, stages.train, stages.train_task: torch, Lightning,
    torchmetrics, torch._dynamo, ...), wall seconds, with and without cProfile. Inside both, the seconds spent in
    torch's custom-op registration source lookup (`torch._library.utils.get_source`: `inspect.getframeinfo`
    for every custom op registered at import, which reads and scans source files) and how many calls: cProfile
@@ -34,7 +34,7 @@ def timed(stacklevel):
     t = time.perf_counter(); r = orig(stacklevel + 1); tot[0] += time.perf_counter() - t; tot[1] += 1; return r
 u.get_source = timed
 t0 = time.perf_counter()
-import pipeline.cli, stages.train, stages.train_task  # the launch path's imports
+import stages.cli, stages.train, stages.train_task  # the launch path's imports
 print(json.dumps({"imports_s": time.perf_counter() - t0, "get_source_s": tot[0], "get_source_calls": tot[1],
                   "modules": len(sys.modules)}))
 """

@@ -99,7 +99,7 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [*extra, "target.name=bench", f"target.layer_ids={layers}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.epochs=1000",
             "train.log_every=1", f"train.lr={lr}", "train.checkpoint_every=100000", "train.val_every=100000"]
-    cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", config,
+    cmd = [sys.executable, "-m", "stages.cli", "train", "--config", config,
            "--store", str(store), "--no-export"]
     # on a machine without CUDA (a smoke run of this script) the same number of CPU ranks over gloo
     cmd += ["--gpus", gpus] if torch.cuda.is_available() else ["--devices", str(len(gpus.split(",")))] + [a for s in sets for a in ("--set", s)]

@@ -2,7 +2,7 @@
 
 Contract: every user-facing error class in dflash subclasses `UserError` (keeping its older built-in base, so
 `except ValueError` / `except RuntimeError` callers still work). Its message names the problem and the fix; the
-CLI (`pipeline/cli.py`) prints it as one `error: ...` line and exits 2, with no traceback. `NonFiniteLoss` (training
+CLI (`stages/cli.py`) prints it as one `error: ...` line and exits 2, with no traceback. `NonFiniteLoss` (training
 diverged) is not a usage error: one line and exit 1. Anything else that escapes a stage is a bug and keeps
 its traceback.
 """

@@ -113,7 +113,7 @@ def run_node(cfg: Config, config_path: Optional[str], overrides: list[str], extr
     run_dir = Path(cfg.train.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     common = ["--config", str(config_path or "")] + [a for o in overrides for a in ("--set", o)] + ["--store", store_path]
-    py = [sys.executable, "-m", "pipeline.cli"]
+    py = [sys.executable, "-m", "stages.cli"]
     x_cmd = py + ["extract", *common, "--shards", str(len(xg) or cfg.extract.shards)]
     x_cmd += ["--gpus", ",".join(map(str, xg))] if xg else []
     resume = (run_dir / "checkpoints" / "last.ckpt").exists()

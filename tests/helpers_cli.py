@@ -20,7 +20,7 @@ HANG_S = 3600
 def dflash(*args, timeout=HANG_S, check=True, cwd=ROOT, gpus=False) -> subprocess.CompletedProcess:
     """Run the CLI in a subprocess; GPUs hidden unless gpus=True (the GPU-marked tests)."""
     env = dict(os.environ) if gpus else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "stages.cli", *args], cwd=cwd, capture_output=True, text=True,
                        timeout=timeout, env=env)
     if check and r.returncode != 0:
         raise AssertionError(f"dflash {' '.join(args)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers_cli import TINY  # noqa: E402
-from pipeline.cli import main  # noqa: E402
+from stages.cli import main  # noqa: E402
 
 
 def _refuse_stage(monkeypatch):

@@ -124,7 +124,7 @@ def test_the_bounds_themselves_and_null_are_accepted_where_allowed(section, key)
     ("train.num_workers=-1", "train.num_workers must be 0 or more, got -1"),
 ])
 def test_the_cli_refuses_the_issues_values_before_creating_anything(setting, text, tmp_path):
-    from pipeline.cli import main
+    from stages.cli import main
 
     run_dir = tmp_path / "run"
     r = CliRunner().invoke(main, ["train", "--config", TINY, "--set", setting, "--set", f"train.run_dir={run_dir}",

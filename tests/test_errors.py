@@ -38,7 +38,7 @@ def test_every_user_error_has_the_one_base_and_keeps_its_old_one(cls, old):
 def test_the_cli_prints_one_line_and_exits_2(cls, monkeypatch):
     import click
 
-    from pipeline import cli
+    from stages import cli
 
     @click.command()
     def boom():
@@ -51,7 +51,7 @@ def test_the_cli_prints_one_line_and_exits_2(cls, monkeypatch):
 def test_a_bug_keeps_its_traceback():
     import click
 
-    from pipeline import cli
+    from stages import cli
 
     @click.command()
     def boom():

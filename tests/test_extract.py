@@ -149,7 +149,7 @@ def _store_content(path):
 @pytest.mark.slow
 def test_resume_after_kill_equals_uninterrupted(tmp_path, two_shard_store):
     store = str(tmp_path / "k.zarr")
-    args = [sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2", "--store", store,
+    args = [sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "2", "--store", store,
             *SMALL, "--set", "extract.token_budget=512"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     rng = np.random.default_rng(0)
@@ -196,7 +196,7 @@ def test_resumed_store_is_bitwise_equal_with_same_plan(tmp_path):
     opts = [*SMALL, "--set", "extract.token_budget=512", "--set", "data.max_samples=60"]
     dflash("extract", "--config", TINY, "--shards", "1", "--store", ref, *opts)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    q = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "1",
+    q = subprocess.Popen([sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "1",
                           "--store", store, *opts], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + HANG_S
     while time.time() < deadline:

@@ -122,7 +122,7 @@ LONG = HANG_S  # a hang guard only (tests/helpers_cli.py): no assertion depends 
 def _cli(*args, env=ENV, **kw) -> subprocess.Popen:
     """A dflash command as a terminal's job: its own process group, Ctrl-C at its default. (Under a CI runner
     that ignores SIGINT, an inherited ignore made `dflash train` run on through the tests' Ctrl-C.)"""
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
@@ -195,7 +195,7 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
     stopped = {r: len(_lines(run, r)) for r in (0, 1)}
     assert x.poll() is None or x.returncode == 0
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *train, "--resume"], cwd=ROOT, env=ENV,
+    r = subprocess.run([sys.executable, "-m", "stages.cli", *train, "--resume"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=LONG)
     assert r.returncode == 0, r.stderr[-3000:]
     assert x.wait(timeout=LONG) == 0
@@ -247,7 +247,7 @@ def test_a_shard_begun_with_the_old_plan_resumes_with_it(tmp_path):
     store = str(tmp_path / "s.zarr")
     args = ["extract", "--config", TINY, "--shards", "2", "--store", store, "--set", "data.max_samples=60",
             "--set", "extract.token_budget=1024"]
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "stages.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = load_config(TINY, ["data.max_samples=60", "extract.token_budget=1024"])
     mine = ingest(cfg.data, load_tokenizer(cfg.target.path))[0][0::2]
@@ -260,7 +260,7 @@ def test_a_shard_begun_with_the_old_plan_resumes_with_it(tmp_path):
                                       plan_fingerprint=plan_fingerprint(legacy, [s.sample_id for s in mine]),
                                       planned_samples=len(mine), planned_tokens=sum(lengths)).to_attrs()
     g.attrs[st.PROGRESS_SHA] = st.digest(g.attrs["progress"])  # its checksum, as a writer commits it
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "stages.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 0 and "complete" in r.stderr, r.stderr[-2000:]
     prog, refs = st.committed_refs(store, 0)
     assert prog.done and prog.validation_batches == -1
@@ -277,7 +277,7 @@ def test_train_on_an_unfinished_store_says_it_follows(tmp_path):
     _until(lambda: _readable_train(store) >= 20, "20 readable training samples", x)  # the run needs 4 + 8
     os.killpg(x.pid, signal.SIGINT)
     assert x.wait(timeout=LONG) == 130
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store, "--no-export",
+    r = subprocess.run([sys.executable, "-m", "stages.cli", "train", "--config", TINY, "--store", store, "--no-export",
                         "--set", f"train.run_dir={run}", "--set", "train.max_steps=2", "--set", "train.num_workers=0",
                         "--set", "train.batch_size=4", "--set", "train.follow_buffer=8"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=LONG)

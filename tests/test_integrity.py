@@ -400,7 +400,7 @@ def test_a_writer_stops_when_the_shard_moved_on_under_its_lock(tmp_path):
 def test_cli_refuses_bad_counts_and_absent_gpus(tmp_path, monkeypatch, args, text):
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from stages.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     store = tmp_path / "s.zarr"

@@ -30,14 +30,14 @@ def _as_foreground_job() -> None:
 
 
 def _start(store, **popen):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2",
+    return subprocess.Popen([sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "2",
                              "--store", store, *OPTS], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)
 
 
 def _start_training(store, run, *extra, **popen):
     """`dflash train` on 2 CPU ranks for a long schedule (the test stops it)."""
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store,
+    return subprocess.Popen([sys.executable, "-m", "stages.cli", "train", "--config", TINY, "--store", store,
                              "--devices", "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", *extra,
                              "--no-export"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, **popen)
 
@@ -93,7 +93,7 @@ def _gone(store, timeout=15.0):
 
 
 def _finish_and_verify(store):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2", "--store",
+    r = subprocess.run([sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "2", "--store",
                         store, *OPTS], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     reader = st.StoreReader(store)
@@ -112,7 +112,7 @@ def test_sigterm_stops_everything_and_rerun_resumes(tmp_path):
     assert rc == 130 and time.time() - t0 < 20
     assert "resume with the same command" in err
     assert _gone(store, 5)
-    s = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", store], cwd=ROOT, env=ENV,
+    s = subprocess.run([sys.executable, "-m", "stages.cli", "status", store], cwd=ROOT, env=ENV,
                        capture_output=True, text=True)
     assert s.returncode == 0 and "stopped" in s.stdout and "shard 0" in s.stdout
     _finish_and_verify(store)
@@ -127,7 +127,7 @@ def test_parent_kill9_leaves_no_orphans(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert _gone(store, 15), "workers kept running after their parent was killed"
-    s = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", store], cwd=ROOT, env=ENV,
+    s = subprocess.run([sys.executable, "-m", "stages.cli", "status", store], cwd=ROOT, env=ENV,
                        capture_output=True, text=True)
     assert "process gone" in s.stdout or "stopped" in s.stdout
     _finish_and_verify(store)
@@ -309,7 +309,7 @@ def test_training_kill9_leaves_no_loader_workers(tmp_path, devices):
     store = str(tmp_path / "s.zarr")
     _finish_and_verify(store)
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", TINY, "--store", store,
+    p = subprocess.Popen([sys.executable, "-m", "stages.cli", "train", "--config", TINY, "--store", store,
                           "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--set", "train.num_workers=2",
                           "--devices", str(devices), "--no-export"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)

@@ -37,7 +37,7 @@ def test_non_editable_install_finds_its_default_config_outside_a_checkout(tmp_pa
     elsewhere = tmp_path / "elsewhere"  # not a checkout: nothing named configs/ or pipeline/ around
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site), "CUDA_VISIBLE_DEVICES": ""}
-    code = ("import pipeline, pipeline.config as c; from pipeline.cli import DEFAULT_CONFIG; cfg = c.load_config(); "
+    code = ("import pipeline, pipeline.config as c; from stages.cli import DEFAULT_CONFIG; cfg = c.load_config(); "
             "print(pipeline.__file__); print(c.CONFIGS_DIR); print(DEFAULT_CONFIG); print(cfg.target.name)")
     r = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

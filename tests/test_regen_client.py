@@ -334,7 +334,7 @@ def test_server_run_resumes_after_kill9_and_ctrl_c(tmp_path, tiny):
         rc, prompts, ref = _run(tmp_path, [server.url], n=24, name="ref")
         assert rc == 0
         out = tmp_path / "k"
-        args = [sys.executable, "-m", "pipeline.cli", "regenerate", "--prompts", str(prompts), "--out", str(out),
+        args = [sys.executable, "-m", "stages.cli", "regenerate", "--prompts", str(prompts), "--out", str(out),
                 "--server", server.url, *[x for f in FAST for x in ("--set", f)], "--set", "regenerate.concurrency=2"]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         log = out / "work" / "logs" / "server.jsonl"

@@ -258,7 +258,7 @@ def _log_lines(out: Path) -> int:
 def test_resume_after_kill9_and_ctrl_c_equals_uninterrupted(reference_run, tmp_path):
     prompts, ref = reference_run
     out = tmp_path / "k"
-    args = [sys.executable, "-m", "pipeline.cli", "regenerate", "--prompts", str(prompts), "--out", str(out),
+    args = [sys.executable, "-m", "stages.cli", "regenerate", "--prompts", str(prompts), "--out", str(out),
             "--shards", "2", *SMALL]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     for round_, how in enumerate(["kill9-worker", "ctrl-c"]):

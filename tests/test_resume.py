@@ -42,7 +42,7 @@ def _args(store, run, *extra):
 
 
 def _run(args, check=True):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "stages.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
                        timeout=HANG_S)
     assert not check or r.returncode == 0, r.stderr[-3000:]
     return r
@@ -50,7 +50,7 @@ def _run(args, check=True):
 
 def _kill_after_checkpoint(args, run: Path, at_least: int, seed: int) -> int:
     """Start a run, SIGKILL it a random moment after a checkpoint at step >= at_least; return that checkpoint's step."""
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    p = subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     deadline = time.time() + HANG_S  # only a hang guard: correctness never depends on speed
     while time.time() < deadline and p.poll() is None:

@@ -39,7 +39,7 @@ def _lines(run: Path) -> list[dict]:
 @pytest.mark.slow
 def test_run_stops_both_stages_on_one_ctrl_c_and_the_same_command_continues_both(tmp_path):
     store, run = tmp_path / "store.zarr", tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", "--store", str(store), "--set", f"train.run_dir={run}",
+    cmd = [sys.executable, "-m", "stages.cli", "run", "--store", str(store), "--set", f"train.run_dir={run}",
            "--set", "data.max_samples=240", "--set", "extract.token_budget=512", "--set", "train.epochs=2",
            "--set", "train.num_workers=1", "--set", "train.batch_size=8", "--set", "train.checkpoint_every=3", "--set", "train.log_every=1",
            "--set", "train.follow_buffer=16"]

@@ -30,7 +30,7 @@ ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _extract(store, *extra):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", TINY, "--shards", "2",
+    return subprocess.Popen([sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "2",
                              "--store", store, *OPTS, *extra], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -111,7 +111,7 @@ def test_one_progress_line_per_step_and_one_checkpoint_file(tiny_store, tmp_path
 @pytest.mark.slow
 def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "pipeline.cli", *_train_args(tiny_store, run, "--set", "train.checkpoint_every=5",
+    args = [sys.executable, "-m", "stages.cli", *_train_args(tiny_store, run, "--set", "train.checkpoint_every=5",
                                                                "--set", "train.epochs=2", "--no-export")]
     p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -172,7 +172,7 @@ def test_nonfinite_loss_stops_with_step_and_hint(tiny_store, tmp_path):
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_job_without_hanging(tiny_store, tmp_path):
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "pipeline.cli", *_train_args(tiny_store, run, "--devices", "2", "--set",
+    args = [sys.executable, "-m", "stages.cli", *_train_args(tiny_store, run, "--devices", "2", "--set",
                                                                "train.epochs=50", "--no-export")]
     p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
