@@ -9,7 +9,12 @@ layers / loss chunk only, to try a scoped fix. `--sources` dumps the torch funct
 
     python bench/compile_diag.py --points 8192:512,16384:2048 --out $OUT/diag.jsonl --sources $OUT/src.txt
     python bench/compile_diag.py --points 8192:512 --layer-options '{"triton.mix_order_reduction": false}'
-    python bench/compile_diag.py --tiny --device cpu --points 256:16 --steps 0            # CPU smoke test
+    python bench/compile_diag.py --points 8192:2048,16384:2048 --tables-before   # the block tables alone, pre-fix code
+    python bench/compile_diag.py --tiny --device cpu --points 256:16 --steps 1            # CPU smoke test
+
+--tables-before compiles only the BlockMask table builder (pipeline/masks.py `_all_tables`) at each point, with
+`_ordered` as it was before issue 28's fix (two cumsums inside the compiled graph), and checks its tables against
+the eager builder's: it shows at which lengths that code fails to compile on this torch.
 """
 
 from __future__ import annotations
@@ -28,6 +33,41 @@ from long_bench import run_point  # noqa: E402
 from train_bench import TINY  # noqa: E402
 
 SEEN: list = []
+
+
+def _ordered_before_fix(tiles):
+    """pipeline/masks.py `_ordered` as of 896817d: both cumsums inside the compiled graph."""
+    t = tiles.to(torch.int32)
+    count = t.sum(dim=-1, dtype=torch.int32)
+    pos = torch.where(tiles, t.cumsum(-1) - 1, count[..., None] + (1 - t).cumsum(-1) - 1)
+    cols = torch.arange(tiles.shape[-1], device=tiles.device, dtype=torch.int32).expand_as(t)
+    return count, torch.empty_like(t).scatter_(-1, pos.long(), cols)
+
+
+def tables_point(S: int, A: int, dev: torch.device, before: bool) -> dict:
+    """Compile the table builder alone at S tokens, A anchors (block 16, window 2048 and full); -> ok and
+    whether the compiled tables equal the eager ones exactly."""
+    from pipeline import masks
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    lm = torch.ones(S, dtype=torch.bool)
+    lm[:200] = False
+    anchors = masks.sample_anchors(lm, A, g)[None].to(dev)
+    lens = torch.tensor([S], device=dev)
+    orig = masks._ordered
+    if before:
+        masks._ordered = _ordered_before_fix
+    try:
+        comp = torch.compile(masks._all_tables)
+        same = True
+        for window in (2048, None):
+            got = comp(anchors, lens, 16, S, window)
+            ref = masks._all_tables(anchors, lens, 16, S, window)
+            same &= all(torch.equal(x, y) for x, y in zip(got, ref))
+    finally:
+        masks._ordered = orig
+    return {"S": S, "anchors": A, "tables_only": True, "before_fix": before, "equal_eager": bool(same)}
 
 
 def _describe_kernel(expr) -> dict:
@@ -115,6 +155,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--layer-options", default=None, help="JSON Inductor options for the compiled layers only")
     ap.add_argument("--loss-options", default=None, help="JSON Inductor options for the compiled loss chunk only")
+    ap.add_argument("--tables-before", action="store_true", help="the table builder alone, pre-fix `_ordered`")
     ap.add_argument("--sources", default=None, help="write the relevant torch sources here")
     ap.add_argument("--out", default=None, help="JSON lines, one per point")
     a = ap.parse_args()
@@ -136,7 +177,10 @@ def main() -> None:
         SEEN.clear()
         t0 = time.perf_counter()
         try:
-            r = {"ok": True, **run_point(S, A, a, shape)}
+            if a.tables_before:
+                r = {"ok": True, **tables_point(S, A, torch.device(a.device), before=True)}
+            else:
+                r = {"ok": True, **run_point(S, A, a, shape)}
         except Exception as e:  # noqa: BLE001 - the point of this script is to record it
             tb = traceback.format_exc()
             r = {"S": S, "anchors": A, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}",
@@ -145,7 +189,8 @@ def main() -> None:
         r.update(layer_options=a.layer_options, loss_options=a.loss_options, wall_s=time.perf_counter() - t0,
                  failing_kernels=list(SEEN))
         line = json.dumps(r, default=str)
-        print(line if not r["ok"] else json.dumps({k: r[k] for k in ("S", "anchors", "ok", "step_ms", "wall_s")
+        print(line if not r["ok"] else json.dumps({k: r[k] for k in ("S", "anchors", "ok", "step_ms", "equal_eager",
+                                                                   "wall_s")
                                                    if k in r}), flush=True)
         if a.out:
             with open(a.out, "a") as f:

@@ -14,14 +14,6 @@ Contract: `prepare_compile(limit)` is idempotent and changes no model math.
     does by default. The heuristic only chooses a kernel layout ("strangely this is faster than a [1, RBLOCK]
     block in some cases", says its docstring), so results are unchanged. That this was the 8K failure's only
     cause is still to be confirmed on the GPU (docs/benchmarks.md, long samples).
-- `layer_compile_options()`: the Inductor options the drafter's layers are compiled with (only there, through
-  `torch.compile(options=...)`, so no other compiled function changes). Inductor's "mix-order reduction" fuses
-  an RMSNorm backward's per-row reduction (the input gradient) with its per-column one (the weight gradient)
-  into one kernel, once the rows reach 4,096 and twice the columns. In the layer backward at long samples (the
-  keys' k_norm over (S + Q) x 8 rows; the hidden-5120 norms once Q = 16 x anchors reaches 10,240) torch 2.11
-  generated such a kernel whose index still used a dimension the kernel had dropped, and failed in
-  `get_block_shape` (issue 28; docs/benchmarks.md, long samples). The fusion is a speed choice only: off, the
-  two reductions run as two kernels with the same results. Applied where the option exists.
 """
 
 from __future__ import annotations
@@ -64,16 +56,6 @@ def inductor_workarounds() -> list[str]:
             InductorChoices.want_no_x_dim = staticmethod(want_no_x_dim)
         installed.append("keep_x_dim")
     return installed
-
-
-def layer_compile_options() -> dict:
-    """Inductor options for `DFlashDrafter.compile_layers` (see the module contract); {} where none apply."""
-    import torch._inductor.config as inductor_config
-
-    options = {}
-    if hasattr(inductor_config.triton, "mix_order_reduction"):
-        options["triton.mix_order_reduction"] = False
-    return options
 
 
 def prepare_compile(limit: Optional[int] = None) -> list[str]:
