@@ -137,11 +137,12 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
         --new-tokens ${REGEN_NEW:-256} --out "$OUT/regen.json" > "$OUT/regen.log" 2>&1; grep -v "^\[transformers\]" "$OUT/regen.log" | tail -9 ;;
     long)  # issues 19.6/28.1: the 27B drafter's step at 2K/8K/16K tokens (and 16K with 2048 anchors): step time,
            # MFU, peak memory (LONG_ARGS replaces the default arguments; tests/test_long_samples.py: a tiny CPU run)
-      python3 bench/long_bench.py ${LONG_ARGS:---steps 5} --out "$OUT/long.json" 2>&1 | grep -v "Warning\|warn(" | tail -8 ;;
+      python3 bench/long_bench.py ${LONG_ARGS:---steps 5} --out "$OUT/long.json" > "$OUT/long.log" 2>&1
+      grep -E "peak GiB|^ *[0-9]+ +[0-9]+ " "$OUT/long.log"; tail -n 2 "$OUT/long.log" ;;
     longtest) python3 -m pytest -q -m gpu tests/test_gpu_long.py -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
-    longdiag)  # issue 28.1: the long points with Inductor's defaults in the layers (no workaround), the failing
+    longdiag)  # issue 28.1: the long points with Inductor's defaults in the 5 layers (no layer options), the failing
                # kernel named by a hook on get_block_shape; one JSON line per point, torch's sources beside it
-      python3 bench/compile_diag.py ${LONGDIAG_ARGS:---layers 2} --layer-options '{}' --out "$OUT/longdiag.jsonl" \
+      python3 bench/compile_diag.py ${LONGDIAG_ARGS:---points 8192:512,16384:2048} --layer-options '{}' --out "$OUT/longdiag.jsonl" \
         --sources "$OUT/inductor_src.txt" > "$OUT/longdiag.log" 2>&1; grep -v "Warning\|warn(" "$OUT/longdiag.log" | tail -c 3000 ;;
     *) echo "unknown part $part" ;;
   esac

@@ -1,12 +1,13 @@
-"""Issues 19.6 and 28.1: long samples. Step time, MFU and peak GPU memory of one `dflash train` step at 2K-16K tokens.
+"""Issues 19.6 and 28.1: long samples. Step time, MFU and peak GPU memory of one `dflash train` step, 2K-16K tokens.
 
 The 27B-class drafter of bench/train_bench.py (its `build_case` / `train_step`: 5 layers, hidden 5120, vocab
 248,320, block 16, sliding window 2048, compiled flex attention as `dflash train` runs it, bf16 autocast,
 chunked loss, AdamW), one sequence per step, at each point S:A (S tokens per sample, A anchors). Each point
 gets a fresh drafter and optimizer and its own peak-memory window; the first step (compile) is reported apart.
 MFU counts useful FLOPs only (train_bench.useful_flops: visible attention pairs, labelled rows) against
---peak-tflops. Prints one row per point and writes JSON with --out. A point that runs out of memory is reported as OOM and
-the next one still runs; so does one that fails otherwise (its error is recorded).
+--peak-tflops. Prints one row per point and writes JSON with --out (after every point). A point that runs
+out of memory is reported as OOM and the next one still runs; so does one that fails otherwise (its error and
+the project frames it passed through are recorded).
 
     python bench/long_bench.py --out $OUT/long.json                      # 2048:512, 8192:512, 16384:512, 16384:2048
     python bench/long_bench.py --points 16384:512 --steps 3
@@ -19,6 +20,7 @@ import argparse
 import gc
 import json
 import time
+import traceback
 
 import torch
 from train_bench import TINY, build_case, sync, train_step, useful_flops
@@ -96,16 +98,18 @@ def main() -> None:
             r = {"S": S, "anchors": A, "oom": str(e).splitlines()[0]}
             print(f"{S:>7}{A:>9}  OOM: {r['oom']}", flush=True)
         except Exception as e:  # noqa: BLE001 - e.g. a compile failure at one length: recorded, the next point runs
-            r = {"S": S, "anchors": A, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            tb = traceback.format_exc().splitlines()
+            r = {"S": S, "anchors": A, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}",
+                 "where": [ln.strip() for ln in tb if "/pipeline/" in ln or "/bench/" in ln][-6:]}
             print(f"{S:>7}{A:>9}  failed: {r['error']}", flush=True)
         else:
             peak = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
-            print(f"{S:>7}{r['anchors']:>9}{r['step_ms']:>10.1f}{r['tokens_s']:>10.0f}{100 * r['mfu']:>6.1f}%{r['first_step_s']:>14.1f}"
-                  f"{peak:>10}", flush=True)
+            print(f"{S:>7}{r['anchors']:>9}{r['step_ms']:>10.1f}{r['tokens_s']:>10.0f}{100 * r['mfu']:>6.1f}%"
+                  f"{r['first_step_s']:>14.1f}{peak:>10}", flush=True)
         rows.append(r)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"arch": a.arch, "tiny": a.tiny, "device": a.device, "points": rows}, f, indent=1)
+        if a.out:  # after every point: a later point that kills the process leaves the earlier ones
+            with open(a.out, "w") as f:
+                json.dump({"arch": a.arch, "tiny": a.tiny, "device": a.device, "points": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@ tokens, and the 27B-width training step at an 8K-token sample.
 
 torch 2.11's Inductor failed to generate the table builder's scan at long samples with many anchors (a
 `TritonSplitScanKernel` without X dimension: TypeError in `get_block_shape`, docs/benchmarks.md "Long
-samples"); pipeline/masks.py now leaves that cumsum to ATen (`dflash::row_cumsum`). The step here is the one
-`dflash train` runs (bench/train_bench.py's case: hidden 5120, 32/8 heads x 128, FFN 17408, vocab 248,320;
-two layers, one sliding-window and one full, so both layer types and the first layer's variant compile),
-one sample of 8,192 tokens with 512 and with 2,048 anchors. Run on the GPU machine: `python -m pytest -m gpu tests/test_gpu_long.py`
-(~1 min, most of it compiling).
+samples"); pipeline/masks.py now leaves that cumsum to ATen (`dflash::row_cumsum`). Before that fix, the
+builder alone failed at 8K x 2,048 and 16K x 2,048 anchors on the H200 (torch 2.11; bench/compile_diag.py
+--tables-before). The step is the one `dflash train` runs (bench/train_bench.py's case: hidden 5120, 32/8 heads
+x 128, FFN 17408, vocab 248,320; three layers, sliding, sliding, full: the three compiled graphs of a 5-layer
+drafter, the first layer's (no input gradient) among them, with `compile_layers`' options), one sample of 8,192
+tokens with 512 and with 2,048 anchors. Run on the GPU machine: `python -m pytest -m gpu tests/test_gpu_long.py`
+(~1-2 min, most of it compiling).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def test_compiled_block_tables_equal_eager_at_long_samples(S, A):
 def test_27b_width_step_at_8k_tokens_compiles_and_trains(A):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    c = build_case("dflash", 2, 248320, 8192, A, 4096, torch.device("cuda"), {})
+    c = build_case("dflash", 3, 248320, 8192, A, 4096, torch.device("cuda"), {})
     assert c.Q == 16 * A and c.S == 8192
     before = [p.detach().clone() for p in c.drafter.parameters()]
     ref = None
