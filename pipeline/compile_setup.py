@@ -12,8 +12,9 @@ Contract: `prepare_compile(limit)` is idempotent and changes no model math.
     torch keeps the X dimension unless a kernel's fixed config asks otherwise; its `InductorChoices` no longer
     has `want_no_x_dim`. Where it has, we make `InductorChoices.want_no_x_dim` answer no, as newer torch
     does by default. The heuristic only chooses a kernel layout ("strangely this is faster than a [1, RBLOCK]
-    block in some cases", says its docstring), so results are unchanged. That this was the 8K failure's only
-    cause is still to be confirmed on the GPU (docs/benchmarks.md, long samples).
+    block in some cases", says its docstring), so results are unchanged. Seen on the H200 (2026-12-01): torch
+    2.11's choices.py has no `want_no_x_dim` either (its TritonKernel decides from a fixed config), so nothing
+    is installed there; the 8K/16K failures came from elsewhere (next item; pipeline/masks.py `row_cumsum`).
 - `layer_compile_options()`: the Inductor options the drafter's layers are compiled with (only there, through
   `torch.compile(options=...)`; no other compiled function changes). It turns off Inductor's "mix-order
   reduction", which fuses an RMSNorm backward's per-row reduction (the input gradient) with its per-column one
