@@ -9,6 +9,7 @@
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
 #        needs fla-core + einops in .whl/: ../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2)
 #   bash bench/device_run.sh long                                            (issue 19.6: 2K-16K samples, ~4 min)
+#   bash bench/device_run.sh longdiag longtest long                          (issue 28.1: the 8K/16K compile fix)
 #   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
 #   bash bench/device_run.sh startup e2emfu ddpopts                          (issue 22, in this order: 2 GPUs)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
@@ -135,8 +136,15 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
     regen)  # dflash regenerate's batched generation vs a per-prompt generate loop, real 27B hybrid layout, one GPU
       python3 bench/regen_bench.py --prompts ${REGEN_PROMPTS:-64} --loop-prompts ${REGEN_LOOP:-4} \
         --new-tokens ${REGEN_NEW:-256} --out "$OUT/regen.json" > "$OUT/regen.log" 2>&1; grep -v "^\[transformers\]" "$OUT/regen.log" | tail -9 ;;
-    long)  # issue 19.6: one training step of the 27B drafter at 2K/8K/16K tokens per sample: peak memory, step time
-      python3 bench/long_bench.py --steps 5 --out "$OUT/long.json" 2>&1 | grep -v "Warning\|warn(" | tail -8 ;;
+    long)  # issues 19.6/28.1: the 27B drafter's step at 2K/8K/16K tokens (and 16K with 2048 anchors): step time,
+           # MFU, peak memory (LONG_ARGS replaces the default arguments; tests/test_long_samples.py: a tiny CPU run)
+      python3 bench/long_bench.py ${LONG_ARGS:---steps 5} --out "$OUT/long.json" > "$OUT/long.log" 2>&1
+      grep -E "peak GiB|^ *[0-9]+ +[0-9]+ " "$OUT/long.log"; tail -n 2 "$OUT/long.log" ;;
+    longtest) python3 -m pytest -q -m gpu tests/test_gpu_long.py -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
+    longdiag)  # issue 28.1: the long points with Inductor's defaults in the 5 layers (no layer options), the failing
+               # kernel named by a hook on get_block_shape; one JSON line per point, torch's sources beside it
+      python3 bench/compile_diag.py ${LONGDIAG_ARGS:---points 8192:512,16384:2048} --layer-options '{}' --out "$OUT/longdiag.jsonl" \
+        --sources "$OUT/inductor_src.txt" > "$OUT/longdiag.log" 2>&1; grep -v "Warning\|warn(" "$OUT/longdiag.log" | tail -c 3000 ;;
     iscausal)  # issue 27 item 4: drafter.is_causal=false under compiled flex == SDPA (bf16, grads), and train ->
                # export -> eval --online keep it on one GPU (tests/test_gpu_is_causal.py; CPU smoke: test_is_causal.py)
       python3 -m pytest -q -s -m gpu tests/test_gpu_is_causal.py -p no:cacheprovider --tb=short > "$OUT/iscausal.log" 2>&1

@@ -12,8 +12,20 @@ Contract: `prepare_compile(limit)` is idempotent and changes no model math.
     torch keeps the X dimension unless a kernel's fixed config asks otherwise; its `InductorChoices` no longer
     has `want_no_x_dim`. Where it has, we make `InductorChoices.want_no_x_dim` answer no, as newer torch
     does by default. The heuristic only chooses a kernel layout ("strangely this is faster than a [1, RBLOCK]
-    block in some cases", says its docstring), so results are unchanged. That this was the 8K failure's only
-    cause is still to be confirmed on the GPU (docs/benchmarks.md, long samples).
+    block in some cases", says its docstring), so results are unchanged. Seen on the H200 (2026-12-01): torch
+    2.11's choices.py has no `want_no_x_dim` either (its TritonKernel decides from a fixed config), so nothing
+    is installed there; the 8K/16K failures came from elsewhere (next item; pipeline/masks.py `row_cumsum`).
+- `layer_compile_options()`: the Inductor options the drafter's layers are compiled with (only there, through
+  `torch.compile(options=...)`; no other compiled function changes). It turns off Inductor's "mix-order
+  reduction", which fuses an RMSNorm backward's per-row reduction (the input gradient) with its per-column one
+  (the weight gradient) into one persistent kernel started at XBLOCK 1, a layout without X dimension, once the
+  rows reach 4,096 and twice the columns. torch 2.11's `get_block_shape` has no case for a range tree without
+  a tensor dimension (2.13 has), hence the TypeError. Evidence (H200, torch 2.11, 2026-12-01, issue 28;
+  docs/benchmarks.md, long samples): with it off the 5-layer 27B step compiled and ran at 2K, 8K and 16K tokens;
+  with Inductor's defaults the issue's run failed at 8K and a later 16K run failed in `get_block_shape` again
+  once the table builder's scan was fixed (pipeline/masks.py `row_cumsum`); a 2-layer model compiled at 8K with
+  the defaults. The kernel itself is not yet named by a dump. The fusion is a speed choice only (off, the two
+  reductions run as two kernels, same results; 2K step 229.9 ms off vs 230.0 ms on). Applied where it exists.
 """
 
 from __future__ import annotations
@@ -56,6 +68,16 @@ def inductor_workarounds() -> list[str]:
             InductorChoices.want_no_x_dim = staticmethod(want_no_x_dim)
         installed.append("keep_x_dim")
     return installed
+
+
+def layer_compile_options() -> dict:
+    """Inductor options for `DFlashDrafter.compile_layers` (see the module contract); {} where none apply."""
+    import torch._inductor.config as inductor_config
+
+    options = {}
+    if hasattr(inductor_config.triton, "mix_order_reduction"):
+        options["triton.mix_order_reduction"] = False
+    return options
 
 
 def prepare_compile(limit: Optional[int] = None) -> list[str]:

@@ -253,7 +253,12 @@ class DFlashDrafter(nn.Module):
         """Regional compilation: torch.compile each decoder layer, not the whole model. Layers share compiled
         graphs (parameters are graph inputs and no guard depends on the layer's index): one per layer type, plus
         one for the first layer, whose input needs no gradient (checked with 10 layers: 3 graphs). Graph breaks
-        stay local to a layer."""
+        stay local to a layer. Inductor options default to `pipeline.compile_setup.layer_compile_options()` (the
+        long-sample workaround; an `options=` given here replaces them)."""
+        if "options" not in kwargs:
+            from pipeline.compile_setup import layer_compile_options
+
+            kwargs["options"] = layer_compile_options() or None
         for layer in self.layers:
             layer.compile(**kwargs)
 

@@ -44,6 +44,7 @@ def _ce_chunk(logits: Tensor, y: Tensor, w: Tensor, acc_dtype: torch.dtype,
 
 
 _COMPILED_CHUNK: list = []
+CHUNK_COMPILE_OPTIONS: dict = {}  # Inductor options for the compiled chunk (bench/compile_diag.py tries some)
 
 
 def _ce_chunk_fn(cuda: bool):
@@ -56,7 +57,7 @@ def _ce_chunk_fn(cuda: bool):
         from pipeline.compile_setup import inductor_workarounds
 
         inductor_workarounds()
-        _COMPILED_CHUNK.append(torch.compile(_ce_chunk, dynamic=True))
+        _COMPILED_CHUNK.append(torch.compile(_ce_chunk, dynamic=True, options=CHUNK_COMPILE_OPTIONS or None))
     return _COMPILED_CHUNK[0]
 
 

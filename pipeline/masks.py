@@ -278,18 +278,45 @@ def block_tables(
     return (touched & ~full)[:, None], full[:, None]
 
 
+def _define_row_cumsum():
+    """`row_cumsum(t)`: int32 [..., n] -> its running sum along the last dim, int32, contiguous; an opaque op
+    to torch.compile, so the compiled table builder calls ATen's scan instead of generating one. torch 2.11's
+    Inductor split a long scan with few rows (the q-side tables at 16K tokens with 2,048 anchors: 384 rows of
+    256) into a `TritonSplitScanKernel`, which drops its X dimension and then failed in `get_block_shape`
+    (TypeError: list indices must be integers or slices, not NoneType; issue 28, docs/benchmarks.md). The op is
+    defined once per process: an exported drafter's copy of this file finds it already there."""
+    try:
+        return torch.ops.dflash.row_cumsum.default
+    except (AttributeError, RuntimeError):
+        pass
+
+    @torch.library.custom_op("dflash::row_cumsum", mutates_args=())
+    def row_cumsum(t: Tensor) -> Tensor:
+        return t.cumsum(-1, dtype=torch.int32).contiguous()
+
+    @row_cumsum.register_fake
+    def _(t: Tensor) -> Tensor:
+        return t.new_empty(t.shape, dtype=torch.int32)
+
+    return row_cumsum
+
+
+_row_cumsum = _define_row_cumsum()
+
+
 def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
     """bool [B, H, rows, cols] -> (count int32 [B, H, rows], column order int32 [B, H, rows, cols]).
 
     The order lists each row's set columns first, ascending, then the unset ones: what a stable descending
-    argsort gives (create_block_mask's layout), computed with two cumsums and a scatter instead of a sort,
+    argsort gives (create_block_mask's layout), computed with one cumsum and a scatter instead of a sort,
     which keeps the compiled builder small (a compiled Triton sort is what made create_block_mask's cold
     compile take minutes).
     """
     t = tiles.to(torch.int32)
     count = t.sum(dim=-1, dtype=torch.int32)
-    pos = torch.where(tiles, t.cumsum(-1) - 1, count[..., None] + (1 - t).cumsum(-1) - 1)  # each column's slot
+    c = _row_cumsum(t)  # set columns up to and including each column; unset ones: col + 1 - c
     cols = torch.arange(tiles.shape[-1], device=tiles.device, dtype=torch.int32).expand_as(t)
+    pos = torch.where(tiles, c - 1, count[..., None] + cols - c)  # each column's slot
     return count, torch.empty_like(t).scatter_(-1, pos.long(), cols)
 
 

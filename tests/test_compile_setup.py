@@ -39,3 +39,30 @@ def test_loud_recompiles_sets_the_limit_and_makes_hitting_it_an_error():
         for k, v in before.items():
             setattr(cfg, k, v)
         torch._logging.set_logs()
+
+
+def test_layers_compile_without_mix_order_reduction_and_nothing_else_changes(monkeypatch):
+    """Issue 28.1: the drafter's layers (only they) are compiled with Inductor's mix-order reduction off where
+    this torch has it; an explicit options= replaces the default; the process-wide Inductor config is untouched."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from pipeline.compile_setup import layer_compile_options
+    from pipeline.drafter import DFlashDrafter, DrafterArch
+
+    has = hasattr(inductor_config.triton, "mix_order_reduction")
+    assert layer_compile_options() == ({"triton.mix_order_reduction": False} if has else {})
+    before = inductor_config.triton.mix_order_reduction if has else None
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    arch = DrafterArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, target_layer_ids=[1],
+                       layer_types=["sliding_attention", "full_attention"], sliding_window=16, block_size=4)
+    d = DFlashDrafter(arch)
+    d.compile_layers()
+    assert seen == [{"options": layer_compile_options() or None}] * 2
+    seen.clear()
+    d.compile_layers(options={"max_autotune": False})
+    assert seen == [{"options": {"max_autotune": False}}] * 2
+    if has:
+        assert inductor_config.triton.mix_order_reduction == before

@@ -125,3 +125,63 @@ def test_extract_and_train_an_8k_sample_end_to_end(tmp_path):
            "train.max_steps=2", "train.batch_size=2", "train.num_workers=0", "train.num_anchors=64",
            "train.anchor_rule=proportional"] for x in ("--set", s)])
     assert (run / "summary.json").exists()
+
+
+@pytest.mark.slow  # two bench subprocesses, ~20-50 s
+def test_device_run_long_parts_at_tiny_size(tmp_path):
+    """bench/device_run.sh's `long` and `longdiag` parts (issue 28.1) are the command lines the GPU run uses; here
+    at a tiny width on CPU: long_bench writes a row per point with step time, MFU and the useful FLOPs, and
+    compile_diag one JSON line per point (ok, no failing kernel) plus the dumped Inductor sources."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(root),
+               LONG_ARGS="--tiny --device cpu --points 256:16,1024:32 --steps 1",
+               LONGDIAG_ARGS="--tiny --device cpu --points 256:16 --steps 1")
+    r = subprocess.run(["bash", "bench/device_run.sh", "long", "longdiag"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "unknown part" not in r.stdout, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "long.json").read_text())["points"]
+    assert [(p["S"], p["anchors"]) for p in rows] == [(256, 16), (1024, 32)]
+    for p in rows:
+        assert p["step_ms"] > 0 and p["useful_tflop"] > 0 and 0 < p["mfu"] < 1, p
+    assert rows[1]["useful_tflop"] > rows[0]["useful_tflop"]  # more anchors, more context: more useful work
+    diag = [json.loads(x) for x in (tmp_path / "longdiag.jsonl").read_text().splitlines()]
+    assert [(d["S"], d["ok"], d["failing_kernels"], d["layer_options"]) for d in diag] == [(256, True, [], "{}")]
+    assert "def get_block_shape(" in (tmp_path / "inductor_src.txt").read_text()
+
+
+def test_ordered_tables_equal_a_stable_descending_argsort():
+    """pipeline/masks.py `_ordered` (one cumsum through the `dflash::row_cumsum` op, issue 28.1): each row's
+    set columns first, ascending, then the unset ones, as a stable descending argsort; counts per row; also on
+    a transposed (non-contiguous) view, as the q-side tables are built."""
+    from pipeline.masks import _ordered
+
+    g = torch.Generator().manual_seed(0)
+    tiles = torch.rand(2, 1, 24, 40, generator=g) > 0.6
+    for t in (tiles, tiles.transpose(-2, -1)):
+        count, order = _ordered(t)
+        ref = torch.sort(t.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        assert count.dtype == order.dtype == torch.int32
+        assert torch.equal(count, t.sum(-1).to(torch.int32)) and torch.equal(order, ref.to(torch.int32))
+
+
+@pytest.mark.slow  # an Inductor (C++) compile of the table builder, ~30-60 s on a loaded 2-core machine
+def test_compiled_table_builder_equals_eager_on_cpu():
+    """The table builder compiled (as on CUDA) with `row_cumsum` as an opaque op inside the graph gives the
+    eager builder's eight tables exactly; tests/test_gpu_long.py checks the same at 8K/16K tokens on the GPU."""
+    from pipeline import masks
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(1)
+    lm = torch.ones(700, dtype=torch.bool)
+    lm[:50] = False
+    anchors = masks.sample_anchors(lm, 40, g)[None]
+    lens = torch.tensor([700])
+    comp = torch.compile(masks._all_tables, fullgraph=True)  # one graph: no break around the op
+    for window in (96, None):
+        got, ref = comp(anchors, lens, 16, 700, window), masks._all_tables(anchors, lens, 16, 700, window)
+        assert all(x.dtype == torch.int32 and torch.equal(x, y) for x, y in zip(got, ref))
