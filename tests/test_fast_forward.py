@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,8 @@ import torch
 
 import pipeline.fast_forward as ff
 from pipeline.target import FeatureCapture, capture_features, load_target
+
+from helpers_cli import HANG_S, dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -85,6 +88,38 @@ def test_extract_config_has_the_switch(tmp_path):
     assert load_config(None, ["extract.fast_forward=false"]).extract.fast_forward is False
     with pytest.raises(ConfigError, match="fast_forward"):
         load_config(None, ["extract.fast_forward=sometimes"])
+
+
+@pytest.mark.slow
+def test_extract_worker_logs_the_forward_it_runs(hybrid, tmp_path):
+    """`dflash extract` on the hybrid replica: the shard log says which forward ran, following
+    extract.fast_forward (on this CPU machine always the reference; with the switch off it says so)."""
+    store = str(tmp_path / "store.zarr")
+    sets = [f"target.path={hybrid}", "data.max_samples=6", "target.name=qwen3_5-tiny", "drafter.hidden_size=64",
+            "extract.fast_forward=false"]
+    dflash("extract", "--config", str(ROOT / "configs" / "tiny.yaml"), *[x for s in sets for x in ("--set", s)],
+           "--shards", "1", "--store", store)
+    logs = "".join(p.read_text() for p in Path(store, "logs").glob("extract-shard-*.log"))
+    assert "target forward: transformers' reference (extract.fast_forward: false)" in logs, logs[-2000:]
+
+
+@pytest.mark.slow
+def test_bench_part_runs_on_cpu_at_a_tiny_size(tmp_path):
+    """`bash bench/device_run.sh fastfwd` with FF_SMOKE=1: the GPU part's command lines at a tiny size on the CPU
+    (the GPU test skips; the bench runs both forwards, the torch stand-ins as the fast ops, and an extraction)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path / "out"), "FF_SMOKE": "1",
+           "TRITON_CACHE_DIR": str(tmp_path / "kc"),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    r = subprocess.run(["bash", "bench/device_run.sh", "fastfwd"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=HANG_S)
+    assert r.returncode == 0 and "fastfwd_bench rc=0" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert "skipped" in (tmp_path / "out" / "fastfwd_test.log").read_text()
+    x = json.loads((tmp_path / "out" / "fastfwd.json").read_text())
+    assert x["ops"] == "torch" and x["modules_rebound"] > 0 and "fast_error" not in x
+    assert x["reference"]["tok_s"] > 0 and x["fast"]["tok_s"] > 0 and x["speedup"] > 0
+    assert set(x["extraction"]["encodings"]) == {"int5"} and x["extraction"]["encodings"]["int5"]["ratio_vs_bare"] > 0
+    assert abs(sum(x["fast"]["profile"]["families"].values()) - 1) < 1e-6
+    assert "kernel family" in r.stdout and "extraction (32 tokens)" in r.stdout
 
 
 # ---- equality on the CPU (torch stand-ins of the kernels) ------------------------------------------------------
