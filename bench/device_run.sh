@@ -136,7 +136,7 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
               # kernel families before/after, extraction int5/fp8/bf16 vs the fast bare forward (goal >= 0.95)
       export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kc} TRITON_CACHE_AUTOTUNING=1
       ff_smoke=${FF_SMOKE:+--tiny --device cpu --ops torch --batch 1 --seq 32 --reps 1 --batches 1 --encodings int5}
-      DFLASH_FASTFWD_REPORT="$OUT/fastfwd_equal.json" python3 -m pytest -q -m gpu tests/test_fast_forward.py \
+      DFLASH_FASTFWD_REPORT="$OUT/fastfwd_equal.json" timeout ${FF_TEST_LIMIT:-300} python3 -m pytest -q -m gpu tests/test_fast_forward.py \
         -p no:cacheprovider --tb=short -s > "$OUT/fastfwd_test.log" 2>&1; tail -4 "$OUT/fastfwd_test.log"
       timeout ${FF_LIMIT:-420} python3 bench/fastfwd_bench.py --batches ${FF_BATCHES:-4} --store-dir /tmp/ffs $ff_smoke \
         --out "$OUT/fastfwd.json" > "$OUT/fastfwd.log" 2>&1; echo "fastfwd_bench rc=$?"
