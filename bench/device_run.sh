@@ -131,16 +131,18 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
     load35)  # peak host memory per worker of loading a real-width hybrid checkpoint (8 layers, ~11 GB): dflash vs old
       python3 bench/load_bench.py --layers ${LOAD_LAYERS:-8} --dir /tmp/ckpt35 --out "$OUT/load35.json" 2>&1 | tail -6
       rm -rf /tmp/ckpt35 ;;
-    fastfwd)  # issue 30: the fast forward's bf16 equality test on a small-width hybrid (figures: fastfwd_equal.json),
-              # then the 27B hybrid (layers 0..61, 8 x 2048): bare forward reference vs fast (goal >= 12,000 tok/s),
-              # kernel families before/after, extraction int5/fp8/bf16 vs the fast bare forward (goal >= 0.95)
+    fastfwd)  # issue 30 (~6 min, one GPU): the 27B hybrid (layers 0..61, 8 x 2048): bare forward reference vs fast (goal
+              # >= 12,000 tok/s), kernel families before/after, extraction int5/fp8/bf16 vs the fast bare forward (goal
+              # >= 0.95); then the bf16 equality test on a small-width hybrid (figures: fastfwd_equal.json), which
+              # finds most kernels tuned by the bench (first, as its autotuning is the long part: ~2 min cold)
       export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kc} TRITON_CACHE_AUTOTUNING=1
       ff_smoke=${FF_SMOKE:+--tiny --device cpu --ops torch --batch 1 --seq 32 --reps 1 --batches 1 --encodings int5}
-      DFLASH_FASTFWD_REPORT="$OUT/fastfwd_equal.json" timeout ${FF_TEST_LIMIT:-300} python3 -m pytest -q -m gpu tests/test_fast_forward.py \
-        -p no:cacheprovider --tb=short -s > "$OUT/fastfwd_test.log" 2>&1; tail -4 "$OUT/fastfwd_test.log"
-      timeout ${FF_LIMIT:-420} python3 bench/fastfwd_bench.py --batches ${FF_BATCHES:-4} --store-dir /tmp/ffs $ff_smoke \
+      timeout ${FF_LIMIT:-400} python3 bench/fastfwd_bench.py --batches ${FF_BATCHES:-8} --store-dir /tmp/ffs $ff_smoke \
         --out "$OUT/fastfwd.json" > "$OUT/fastfwd.log" 2>&1; echo "fastfwd_bench rc=$?"
-      grep -v "^\[transformers\]\|USDT\|falling back" "$OUT/fastfwd.log" | tail -48 ;;
+      grep -v "^\[transformers\]\|USDT\|falling back\|_warn_once\|Profiler clears" "$OUT/fastfwd.log" | tail -48
+      DFLASH_FASTFWD_REPORT="$OUT/fastfwd_equal.json" timeout ${FF_TEST_LIMIT:-150} python3 -m pytest -q -m gpu \
+        tests/test_fast_forward.py -p no:cacheprovider --tb=short -s > "$OUT/fastfwd_test.log" 2>&1
+      echo "equality test rc=$?"; grep -E "passed|failed|skipped|Error" "$OUT/fastfwd_test.log" | tail -4 ;;
     hybridtests) python3 -m pytest -q -m gpu tests/test_hybrid.py -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     store) python3 bench/store_bench.py --root /tmp/sb --out "$OUT/store.json" 2>&1 | tail -22 ;;
     regen)  # dflash regenerate's batched generation vs a per-prompt generate loop, real 27B hybrid layout, one GPU

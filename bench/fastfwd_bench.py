@@ -38,11 +38,11 @@ FAMILIES = (
     ("fla GDN", ("chunk_gated_delta", "chunk_fwd", "chunk_gated", "recompute_w_u", "solve_tril", "merge_16x16",
                  "chunk_scaled_dot", "chunk_local_cumsum", "gdn_gate", "l2norm", "chunk_dplr", "prepare_wy",
                  "kkt", "delta_h", "fwd_o")),
-    ("conv", ("causal_conv1d", "conv_depthwise", "conv1d", "cudnn", "depthwise", "convolution")),
+    ("SDPA", ("flash", "fmha", "attention", "sdpa")),  # before conv: cuDNN's SDPA kernels are "cudnn_generated_*"
+    ("conv", ("causal_conv1d", "conv_depthwise", "conv1d", "depthwise", "convolution")),
     ("fla norm", ("layer_norm", "rms_norm")),
     ("fla swiglu", ("swiglu",)),
     ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
-    ("SDPA", ("flash", "fmha", "attention", "sdpa")),
     ("reductions", ("reduce",)),
     ("copies", ("copy", "memcpy", "memset", "cat", "aten::to", "clone", "contiguous")),
     ("elementwise", ("elementwise", "vectorized", "aten::")),
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--batches", type=int, default=4, help="batches per extraction run")
+    ap.add_argument("--batches", type=int, default=8, help="batches per extraction run")
     ap.add_argument("--encodings", default="int5,fp8,bf16")
     ap.add_argument("--kernel-cache", default=None)
     ap.add_argument("--store-dir", default=None)
@@ -198,18 +198,26 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one, st, FeatureCap
                                np.array([a.seq] * n, np.int32), np.zeros(T, np.int32), np.ones(T, np.uint8), parts)
 
         capture = FeatureCapture(model, layer_ids)
-        feed = ((list(range(b.shape[0])), b, [b.shape[1]] * b.shape[0]) for b in batches)
+        drained = [None]
+
+        def feed():  # asked past the last batch = its forward is queued: the writer's drain starts
+            yield from ((list(range(b.shape[0])), b, [b.shape[1]] * b.shape[0]) for b in batches)
+            drained[0] = time.perf_counter()
+
         sync()
         t = time.perf_counter()
         try:
-            pipelined_extract(model, capture, enc, dev, feed, on_batch, queue_depth=3)
+            pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
             sync()
         finally:
             capture.remove()
             writer.close()
         wall = time.perf_counter() - t
-        out["encodings"][enc] = {"tok_s": n_tok / wall, "ratio_vs_bare": bare_s / wall}
-        print(f"extract {enc}: {n_tok / wall:.0f} tokens/s, {bare_s / wall:.3f} of the bare forward", flush=True)
+        before = drained[0] - t  # the last forward queued; its capture, copy and write (once per shard) follow
+        out["encodings"][enc] = {"tok_s": n_tok / wall, "ratio_vs_bare": bare_s / wall, "wall_s": wall,
+                                 "ratio_before_drain": bare_s / before}
+        print(f"extract {enc}: {n_tok / wall:.0f} tokens/s, {bare_s / wall:.3f} of the bare forward "
+              f"({bare_s / before:.3f} before the final drain)", flush=True)
         shutil.rmtree(path, ignore_errors=True)
     return out
 
@@ -235,8 +243,8 @@ def _print(r: dict) -> None:
         e = r["extraction"]
         print(f"\nextraction ({e['tokens']} tokens) vs the fast bare forward {e['bare_tok_s']:.0f} tokens/s:")
         for enc, x in e["encodings"].items():
-            print(f"  {enc:<6} {x['tok_s']:>9.0f} tokens/s  {x['ratio_vs_bare']:.3f}  (goal >= 0.95: "
-                  f"{'met' if x['ratio_vs_bare'] >= 0.95 else 'NOT met'})")
+            print(f"  {enc:<6} {x['tok_s']:>9.0f} tokens/s  {x['ratio_vs_bare']:.3f}  before the final drain "
+                  f"{x['ratio_before_drain']:.3f}  (goal >= 0.95: {'met' if x['ratio_vs_bare'] >= 0.95 else 'NOT met'})")
     if "fast_error" in r:
         print(f"fast forward failed: {r['fast_error']}")
 

@@ -206,46 +206,47 @@ def _small_width_hybrid(device):
 @pytest.mark.gpu
 def test_fast_forward_equals_transformers_on_the_gpu_in_bf16():
     """Every tap layer's hidden states from the fast forward (fla kernels) against transformers' reference forward
-    of the same bf16 model, on right-padded batches; both also against the reference in fp32 (the bf16 noise
-    floor). Writes the figures to $DFLASH_FASTFWD_REPORT (bench/device_run.sh fastfwd)."""
+    of the same bf16 model, on right-padded batches, for both ways of computing the GDN gates. Both are also
+    measured against an fp32 forward of the same weights (the torch stand-ins, which the CPU tests hold equal to
+    the reference; no new Triton compiles), which gives bf16's own rounding error as the yardstick. Writes the
+    figures to $DFLASH_FASTFWD_REPORT (bench/device_run.sh fastfwd)."""
     pytest.importorskip("fla.ops.gated_delta_rule", reason="flash-linear-attention (fla-core) not installed")
     dev = torch.device("cuda")
     model = _small_width_hybrid(dev)
     assert ff.choose(model, dev, True)[0]
-    ids, att = _batch(seed=5, B=4, S=700, pad=(0, 133, 350, 601))
+    ids, att = _batch(seed=5, B=4, S=600, pad=(0, 133, 300, 501))
     ids, att = (ids % 4096).to(dev), att.to(dev)
     valid = att.bool()
     ref = _features(model, ids, att)
-    report = {"shape": "hidden 1024, 8 layers, GDN 16/48 x 128, attention 24/4 x 256, bf16",
-              "tokens": int(valid.sum()), "variants": {}}
-    truth = None
-    try:  # the reference in fp32: how far bf16 itself is from exact
-        model.float()
+    model.float()
+    ff.install(model, ff.torch_ops())
+    try:
         truth = _features(model, ids, att)
-    except Exception as e:  # noqa: BLE001 - informational only
-        report["fp32_reference_error"] = f"{type(e).__name__}: {e}"[:300]
     finally:
+        ff.remove(model)
         model.to(torch.bfloat16)
+    report = {"shape": "hidden 1024, 8 layers, GDN 16/48 x 128, attention 24/4 x 256, bf16",
+              "tokens": int(valid.sum()), "error": "per-token ||a - b|| / ||b|| over the hidden size: max, mean",
+              "variants": {}}
     for gate_in_kernel in (True, False):
         ff.install(model, ff.fla_ops(), gate_in_kernel=gate_in_kernel)
         try:
             got = _features(model, ids, att)
         finally:
             ff.remove(model)
-        rows = {}
-        for j in range(got.shape[2]):
-            row = {"vs_bf16_reference": _rel_errors(got[:, :, j][valid], ref[:, :, j][valid])}
-            if truth is not None:
-                row["fast_vs_fp32"] = _rel_errors(got[:, :, j][valid], truth[:, :, j][valid])
-                row["reference_vs_fp32"] = _rel_errors(ref[:, :, j][valid], truth[:, :, j][valid])
-            rows[j] = row
-        report["variants"]["gate_in_kernel" if gate_in_kernel else "gates_in_torch"] = rows
+        report["variants"]["gate_in_kernel" if gate_in_kernel else "gates_in_torch"] = {
+            j: {"fast_vs_bf16_reference": _rel_errors(got[:, :, j][valid], ref[:, :, j][valid]),
+                "fast_vs_fp32": _rel_errors(got[:, :, j][valid], truth[:, :, j][valid]),
+                "reference_vs_fp32": _rel_errors(ref[:, :, j][valid], truth[:, :, j][valid])}
+            for j in range(got.shape[2])}
     print(json.dumps(report, indent=1))
     if os.environ.get("DFLASH_FASTFWD_REPORT"):
         Path(os.environ["DFLASH_FASTFWD_REPORT"]).write_text(json.dumps(report, indent=1))
     for variant, rows in report["variants"].items():
         for j, row in rows.items():
-            e = row["vs_bf16_reference"]
-            assert e["mean"] < 1e-2 and e["max"] < 5e-2, (variant, j, row)
-            if "fast_vs_fp32" in row:  # no worse than bf16's own rounding, within a margin
-                assert row["fast_vs_fp32"]["mean"] <= 1.5 * row["reference_vs_fp32"]["mean"] + 2e-3, (variant, j, row)
+            fast, floor = row["fast_vs_fp32"], row["reference_vs_fp32"]
+            # the yardstick is bf16 rounding (a few % per token after 8 random layers), not a wrong forward (~1)
+            assert floor["mean"] < 0.1, (j, row)
+            assert fast["mean"] <= 1.5 * floor["mean"] + 2e-3, (variant, j, row)  # no worse than bf16's own error
+            assert fast["max"] <= 2 * floor["max"] + 1e-2, (variant, j, row)
+            assert row["fast_vs_bf16_reference"]["mean"] <= 2 * floor["mean"] + 2e-3, (variant, j, row)
