@@ -158,7 +158,7 @@ def main(argv=None) -> None:
         from pipeline.kernels import resolved_kernels
 
         kernels = resolved_kernels()
-        print(kernel_report(cfg.layer_types, dev.type), flush=True)
+        print(kernel_report(cfg.layer_types, dev.type, a.forward == "fast"), flush=True)
         print(f"bound: {kernels}", flush=True)
     rng = np.random.default_rng(0)
     lo, hi = (200, 3073) if not a.tiny else (20, 200)

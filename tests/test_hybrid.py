@@ -230,6 +230,8 @@ def test_kernel_preflight_lines(monkeypatch):
     monkeypatch.setattr(kn, "available", lambda: {"fla": "0.6.0", "causal_conv1d": None})
     fast = kn.kernel_report(types, "cuda")
     assert "flash-linear-attention 0.6.0" in fast and "WARNING" not in fast and "autotuning cached" in fast
+    assert "causal conv1d on torch" in fast
+    assert "causal conv1d on flash-linear-attention's Triton kernel" in kn.kernel_report(types, "cuda", True)
 
 
 @pytest.mark.slow
