@@ -128,6 +128,9 @@ def choose(model: nn.Module, device: torch.device, enabled: bool = True, have_fl
     if not layers or any(k not in COVERED for k in kinds):
         return False, (f"target forward: transformers' reference ({'/'.join(kinds)} is not covered by dflash's fast "
                        "forward, which serves the Qwen3.5/3.6 hybrid)")
+    act = getattr(getattr(model, "config", None), "hidden_act", "silu")
+    if act not in ("silu", "swish"):  # swiglu and the conv's activation are SiLU's
+        return False, f"target forward: transformers' reference (hidden_act {act!r}; the fast forward's kernels are SiLU's)"
     if device.type != "cuda":
         return False, "target forward: transformers' reference (CPU; the fast forward's fused kernels are CUDA/Triton)"
     if not (fla_available() if have_fla is None else have_fla):

@@ -75,6 +75,12 @@ def test_targets_it_does_not_cover_keep_the_reference_forward():
     assert ff.enable(dense, torch.device("cuda"), True) == line and ff.installed(dense) == 0
 
 
+def test_another_activation_keeps_the_reference_forward(model, monkeypatch):
+    monkeypatch.setattr(model.config, "hidden_act", "gelu")
+    fast, line = ff.choose(model, torch.device("cuda"), True, have_fla=True)
+    assert not fast and "hidden_act 'gelu'" in line
+
+
 def test_enable_on_the_cpu_leaves_the_model_as_it_is(model):
     line = ff.enable(model, CPU, True)
     assert "CPU" in line and ff.installed(model) == 0
