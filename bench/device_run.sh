@@ -8,6 +8,8 @@
 #   bash bench/device_run.sh ddp extract2                                    (2 GPUs: nvidia-h200-x2)
 #   bash bench/device_run.sh hybridtests extract35 load35                    (the real Qwen3.5/3.6 hybrid layout;
 #        needs fla-core + einops in .whl/: ../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2)
+#   bash bench/device_run.sh fastfwd                                         (issue 30, ~5 min: fast forward equality + bench;
+#        fla wheels; FF_SMOKE=1 runs the same lines at a tiny size on the CPU, as tests/test_fast_forward.py does)
 #   bash bench/device_run.sh long                                            (issue 19.6: 2K-16K samples, ~4 min)
 #   bash bench/device_run.sh longdiag longtest long                          (issue 28.1: the 8K/16K compile fix)
 #   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
@@ -17,7 +19,7 @@
 #        the full 3,236 with a 3 s delay per batch did not finish a pair in 8 min)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
-[ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
+[ -d .site/zarr ] || [ ! -d .whl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -131,6 +133,18 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
     load35)  # peak host memory per worker of loading a real-width hybrid checkpoint (8 layers, ~11 GB): dflash vs old
       python3 bench/load_bench.py --layers ${LOAD_LAYERS:-8} --dir /tmp/ckpt35 --out "$OUT/load35.json" 2>&1 | tail -6
       rm -rf /tmp/ckpt35 ;;
+    fastfwd)  # issue 30 (~6 min, one GPU): the 27B hybrid (layers 0..61, 8 x 2048): bare forward reference vs fast (goal
+              # >= 12,000 tok/s), kernel families before/after, extraction int5/fp8/bf16 vs the fast bare forward (goal
+              # >= 0.95); then the bf16 equality test on a small-width hybrid (figures: fastfwd_equal.json), which
+              # finds most kernels tuned by the bench (first, as its autotuning is the long part: ~2 min cold)
+      export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kc} TRITON_CACHE_AUTOTUNING=1
+      ff_smoke=${FF_SMOKE:+--tiny --device cpu --ops torch --batch 1 --seq 32 --reps 1 --batches 1 --encodings int5}
+      timeout ${FF_LIMIT:-400} python3 bench/fastfwd_bench.py --batches ${FF_BATCHES:-8} --store-dir /tmp/ffs $ff_smoke \
+        --out "$OUT/fastfwd.json" > "$OUT/fastfwd.log" 2>&1; echo "fastfwd_bench rc=$?"
+      grep -v "^\[transformers\]\|USDT\|falling back\|_warn_once\|Profiler clears" "$OUT/fastfwd.log" | tail -48
+      DFLASH_FASTFWD_REPORT="$OUT/fastfwd_equal.json" timeout ${FF_TEST_LIMIT:-150} python3 -m pytest -q -m gpu \
+        tests/test_fast_forward.py -p no:cacheprovider --tb=short -s > "$OUT/fastfwd_test.log" 2>&1
+      echo "equality test rc=$?"; grep -E "passed|failed|skipped|Error" "$OUT/fastfwd_test.log" | tail -4 ;;
     hybridtests) python3 -m pytest -q -m gpu tests/test_hybrid.py -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     store) python3 bench/store_bench.py --root /tmp/sb --out "$OUT/store.json" 2>&1 | tail -22 ;;
     regen)  # dflash regenerate's batched generation vs a per-prompt generate loop, real 27B hybrid layout, one GPU

@@ -17,6 +17,10 @@ H200; extraction >= 0.95 of it with the default int5), and the first pass's time
 on a cold kernel cache; `--kernel-cache DIR` keeps them, see pipeline/kernels.py). "before drain" leaves out the
 writer finishing the last queued batches after the final forward: paid once per shard.
 
+`--forward fast` (the default) runs dflash's fast forward of the hybrid on CUDA, as `dflash extract` does
+(pipeline/fast_forward.py; bench/fastfwd_bench.py compares it with the reference); `--forward reference` runs
+transformers' forward, as the figures before 2026-12-01 did.
+
 `build_model(arch=..., keep_layers=...)` is reusable: other benches build the same random 27B target with it.
 """
 
@@ -119,6 +123,9 @@ def main(argv=None) -> None:
                          "writer thread), null (everything but the store write: forward, capture, encode, copy), "
                          "switch (the writer thread with sys.setswitchinterval(--switch-interval))")
     ap.add_argument("--switch-interval", type=float, default=0.0005)
+    ap.add_argument("--forward", default="fast", choices=["fast", "reference"],
+                    help="fast: dflash's fast forward where it applies, as `dflash extract` runs (pipeline/fast_forward.py);"
+                         " reference: transformers' forward (extract.fast_forward: false)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -141,13 +148,17 @@ def main(argv=None) -> None:
     model, cfg = build_model(a.arch, size, keep_layers=max(layer_ids) + 1, device=a.device,
                              dtype=torch.bfloat16 if cuda else torch.float32, **overrides)
     build_s = time.perf_counter() - t_build
+    from pipeline.fast_forward import enable
+
+    forward = enable(model, dev, a.forward == "fast")  # or the reason transformers' forward runs
+    print(forward, flush=True)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     kernels = {}
     if a.arch == "qwen3_5":
         from pipeline.kernels import resolved_kernels
 
         kernels = resolved_kernels()
-        print(kernel_report(cfg.layer_types, dev.type), flush=True)
+        print(kernel_report(cfg.layer_types, dev.type, a.forward == "fast"), flush=True)
         print(f"bound: {kernels}", flush=True)
     rng = np.random.default_rng(0)
     lo, hi = (200, 3073) if not a.tiny else (20, 200)
@@ -189,7 +200,7 @@ def main(argv=None) -> None:
     bare_before = time_bare()
     n_linear = sum(p.numel() for n, p in base.named_parameters() if p.ndim == 2 and "embed" not in n)
     results = {"arch": a.arch, "size": size, "device": str(dev), "layers_built": max(layer_ids) + 1,
-               "layer_ids": layer_ids, "kernels": kernels, "kernel_cache": str(kernel_dir) if kernel_dir else None,
+               "layer_ids": layer_ids, "kernels": kernels, "forward": forward, "kernel_cache": str(kernel_dir) if kernel_dir else None,
                "build_s": build_s, "first_pass_s": first_pass, "tokens": n_tok, "padded_tokens": padded,
                "batches": len(batches), "bare_s_before": bare_before, "encodings": {}}
     root = a.store_dir or tempfile.mkdtemp(prefix="dflash-bench-")

@@ -91,6 +91,7 @@ class ExtractConfig:
     max_batch_size: int = 64
     queue_depth: int = 3  # batches in flight between forward and writer (bounds host memory)
     writer_threads: int = 4  # threads compressing and writing chunks
+    fast_forward: bool = True  # the hybrid target on fused kernels (pipeline/fast_forward.py); false: transformers' forward
 
 
 @dataclass

@@ -7,8 +7,8 @@ warning). Measured on one H200 at the 27B shape (layers 0..61, 8 x 2048 tokens, 
 torch paths against 9,291 with flash-linear-attention 0.6 (docs/benchmarks.md).
 
 Contract:
-- `kernel_report(layer_types, device_type)` -> one line naming what the target will use, or None for a target
-  without linear-attention layers. It only looks for the packages (no import, no CUDA context: the extract
+- `kernel_report(layer_types, device_type, fast_forward)` -> one line naming what the target will use, or None for
+  a target without linear-attention layers (fast_forward: extraction's `extract.fast_forward`, whose conv is fla's). It only looks for the packages (no import, no CUDA context: the extract
   parent must not touch the GPUs). On the torch fallback it gives the measured slowdown and the install command.
 - `resolved_kernels()` -> {op: "module.function"} as transformers actually bound them (after the model's
   modeling module is imported); the worker logs it.
@@ -48,7 +48,7 @@ def available() -> dict[str, Optional[str]]:
     return out
 
 
-def kernel_report(layer_types: Optional[list], device_type: str) -> Optional[str]:
+def kernel_report(layer_types: Optional[list], device_type: str, fast_forward: bool = False) -> Optional[str]:
     n_linear = sum(t == "linear_attention" for t in (layer_types or []))
     if not n_linear:
         return None
@@ -58,6 +58,8 @@ def kernel_report(layer_types: Optional[list], device_type: str) -> Optional[str
     have = available()
     conv = (f"causal_conv1d {have['causal_conv1d']}" if have["causal_conv1d"] else
             "causal conv1d on torch (causal-conv1d has no prebuilt wheel; a few % of the forward)")
+    if fast_forward and have["fla"]:  # pipeline/fast_forward.py binds fla's own causal_conv1d
+        conv = "causal conv1d on flash-linear-attention's Triton kernel (dflash's fast forward)"
     if have["fla"]:
         return head + f"Gated DeltaNet on flash-linear-attention {have['fla']} (Triton), {conv}; autotuning cached " \
                       f"in {kernel_cache_dir()}"

@@ -234,7 +234,8 @@ def _run_workers(cfg: Config, num_shards: int,
     _disk_check(store_path, provenance, samples, num_shards, todo)
     from pipeline.kernels import kernel_report
 
-    kernels = kernel_report(provenance["target"].get("layer_types"), "cuda" if n_gpu else "cpu")
+    kernels = kernel_report(provenance["target"].get("layer_types"), "cuda" if n_gpu else "cpu",
+                            cfg.extract.fast_forward)
     if kernels:
         print(f"extract: {kernels}", file=sys.stderr)
     resume_hint = f"resume with the same command: {command}"

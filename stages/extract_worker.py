@@ -233,6 +233,9 @@ def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches
     model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code,
                         keep_layers=max(layer_ids) + 1)
     _log_kernels(root_attrs)
+    from pipeline.fast_forward import enable
+
+    print(enable(model, device, cfg.extract.fast_forward), file=sys.stderr, flush=True)  # or the reason it is off
     if not st.exists(head_path):
         from safetensors.torch import save
 

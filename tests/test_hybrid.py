@@ -230,6 +230,8 @@ def test_kernel_preflight_lines(monkeypatch):
     monkeypatch.setattr(kn, "available", lambda: {"fla": "0.6.0", "causal_conv1d": None})
     fast = kn.kernel_report(types, "cuda")
     assert "flash-linear-attention 0.6.0" in fast and "WARNING" not in fast and "autotuning cached" in fast
+    assert "causal conv1d on torch" in fast
+    assert "causal conv1d on flash-linear-attention's Triton kernel" in kn.kernel_report(types, "cuda", True)
 
 
 @pytest.mark.slow
@@ -405,6 +407,7 @@ def test_benchmarks_run_on_cpu_at_a_tiny_size(tmp_path):
     x = json.loads((tmp_path / "x.json").read_text())
     assert x["arch"] == "qwen3_5" and x["layers_built"] == 6 and x["layer_ids"] == [1, 2, 3, 4, 5]
     assert x["kernels"]["chunk_gated_delta_rule"].startswith("transformers.")  # no fla on this machine
+    assert x["forward"].startswith("target forward: transformers' reference (CPU")  # the fast forward is CUDA-only
     assert x["encodings"]["int5"]["ratio_vs_bare"] > 0 and "extract_meets_goal" in x["goals"]
     assert "goals (one H200)" in r.stdout and "CPU: transformers' torch reference paths" in r.stdout
     r = subprocess.run([sys.executable, "bench/load_bench.py", "--tiny", "--device", "cpu", "--layers", "4",

@@ -1,0 +1,255 @@
+"""The fast forward of the hybrid Qwen3.5/3.6 target (issue 30): the non-matrix third of its layers on fused kernels.
+
+transformers' Qwen3_5 forward spends about 40% of an H200's time outside the GEMMs (docs/benchmarks.md): the
+zero-centred RMSNorm as six fp32 elementwise kernels, SwiGLU and residual adds as separate passes, the causal
+depthwise conv on torch's fallback behind two [B, T, D] <-> [B, D, T] transposes, the GDN gates as elementwise
+math, the gated RMSNorm unfused. This module rebinds, per module instance (never the class), the forwards of a
+loaded Qwen3_5 text model to flash-linear-attention's (fla 0.6) Triton kernels:
+
+- decoder layer: input norm = fla `rms_norm`; post-attention norm fused with the residual add (`rms_norm(...,
+  residual=, prenorm=True)`); MLP = down(`swiglu`(gate(x), up(x))); the zero-centred weight 1 + w is made once, fp32;
+- Gated DeltaNet: fla `causal_conv1d` on the projection's own [B, T, D] layout (no transposes); the decay
+  -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) computed inside `chunk_gated_delta_rule`
+  (`gate_in_kernel`); the gated RMSNorm as fla `rms_norm_gated`;
+- every other Qwen3_5RMSNorm (q/k norms of the attention layers, the final norm): fla `rms_norm`.
+The attention itself (SDPA, rotary, output gate) and every GEMM stay transformers'.
+
+Contract:
+- `choose(model, device, enabled)` -> (fast: bool, line): the fast forward runs only when enabled
+  (`extract.fast_forward`), on CUDA, with fla importable, on a target whose decoder layers are all
+  Qwen3_5DecoderLayer; otherwise the line names the reason and transformers' reference forward runs, unchanged.
+- `install(model, ops, gate_in_kernel)` rebinds; `remove(model)` gives back the reference forwards. Parameters and
+  the state dict are untouched. A call with a cache (generation, speculative decoding) or packed sequences
+  (`cu_seq_lens_q`) takes the reference forward of that layer: the fast path covers prefill without state.
+- `fla_ops()` are the kernels; `torch_ops()` the same signatures in plain torch (CPU tests and the bench's CPU
+  smoke run check the wiring with them). Equality with the reference forward: tests/test_fast_forward.py (CPU,
+  torch_ops) and its GPU test (fla, bf16 tolerance, max/mean relative error per tap layer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+COVERED = ("Qwen3_5DecoderLayer",)
+_PATCHED = "_dflash_fast"  # attribute marking a module whose forward this module rebound
+
+
+def fla_ops() -> SimpleNamespace:
+    """flash-linear-attention's Triton kernels (CUDA), under the names the fast forward calls."""
+    from fla.modules.activations import swiglu
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.modules.norm.layernorm import rms_norm
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return SimpleNamespace(name="fla", causal_conv1d=causal_conv1d, rms_norm=rms_norm, rms_norm_gated=rms_norm_gated,
+                           swiglu=swiglu, chunk_gated_delta_rule=chunk_gated_delta_rule)
+
+
+# ---- the same contract in plain torch (fla's signatures, the reference arithmetic) ------------------------------
+
+def _t_rms_norm(x, weight, bias=None, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
+    xf = x.float() + (residual.float() if residual is not None else 0)
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return (y, xf.to(residual.dtype if residual is not None else x.dtype)) if prenorm else y
+
+
+def _t_rms_norm_gated(x, g, weight, bias=None, activation="swish", residual=None, prenorm=False,
+                      residual_in_fp32=False, eps=1e-6):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * F.silu(g.float())).to(x.dtype)
+
+
+def _t_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                     activation=None, **kw):
+    """x [B, T, D], weight [D, W] -> ([B, T, D], None)."""
+    T, D, W = x.shape[1], x.shape[2], weight.shape[-1]
+    y = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, padding=W - 1, groups=D)[..., :T]
+    y = F.silu(y) if activation in ("silu", "swish") else y
+    return y.transpose(1, 2).to(x.dtype), None
+
+
+def _t_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                              use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, **kw):
+    """q, k [B, T, H, K], v [B, T, HV, V], g/beta [B, T, HV] -> ([B, T, HV, V], None); the token recurrence."""
+    if kw.get("use_gate_in_kernel"):
+        g = -kw["A_log"].float().exp() * F.softplus(g.float() + kw["dt_bias"])
+    beta = beta.float().sigmoid() if use_beta_sigmoid_in_kernel else beta.float()
+    r = v.shape[2] // q.shape[2]
+    q, k = (t.float().repeat_interleave(r, dim=2) for t in (q, k))  # value head i reads key head i // r
+    if use_qk_l2norm_in_kernel:
+        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
+    B, T, HV, V = v.shape
+    S = torch.zeros(B, HV, q.shape[-1], V, dtype=torch.float32, device=v.device)
+    out = torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device)
+    for t in range(T):
+        S = S * g[:, t].float().exp()[..., None, None]
+        delta = (v[:, t].float() - (S * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
+        S = S + k[:, t, ..., None] * delta[..., None, :]
+        out[:, t] = (S * q[:, t, ..., None]).sum(-2)
+    return out.to(v.dtype), None
+
+
+def torch_ops() -> SimpleNamespace:
+    return SimpleNamespace(name="torch", causal_conv1d=_t_causal_conv1d, rms_norm=_t_rms_norm,
+                           rms_norm_gated=_t_rms_norm_gated, swiglu=lambda x, y: (F.silu(x.float()) * y.float()).to(x.dtype),
+                           chunk_gated_delta_rule=_t_chunk_gated_delta_rule)
+
+
+# ---- selection ----------------------------------------------------------------------------------------------
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _layers(model: nn.Module) -> Optional[nn.ModuleList]:
+    from pipeline.target import decoder_layers
+
+    try:
+        return decoder_layers(model)
+    except ValueError:
+        return None
+
+
+def choose(model: nn.Module, device: torch.device, enabled: bool = True, have_fla: Optional[bool] = None):
+    """(fast, line): whether the fast forward can run for this model and device, and the log line saying so."""
+    layers = _layers(model)
+    kinds = sorted({type(m).__name__ for m in layers}) if layers is not None else [type(model).__name__]
+    if not enabled:
+        return False, "target forward: transformers' reference (extract.fast_forward: false)"
+    if not layers or any(k not in COVERED for k in kinds):
+        return False, (f"target forward: transformers' reference ({'/'.join(kinds)} is not covered by dflash's fast "
+                       "forward, which serves the Qwen3.5/3.6 hybrid)")
+    act = getattr(getattr(model, "config", None), "hidden_act", "silu")
+    if act not in ("silu", "swish"):  # swiglu and the conv's activation are SiLU's
+        return False, f"target forward: transformers' reference (hidden_act {act!r}; the fast forward's kernels are SiLU's)"
+    if device.type != "cuda":
+        return False, "target forward: transformers' reference (CPU; the fast forward's fused kernels are CUDA/Triton)"
+    if not (fla_available() if have_fla is None else have_fla):
+        return False, ("target forward: transformers' reference (flash-linear-attention is not installed: "
+                       'pip install -e ".[gpu]")')
+    return True, ("target forward: dflash's fast forward (flash-linear-attention rms_norm / fused add+norm, swiglu, "
+                  "causal_conv1d on [B, T, D], in-kernel GDN gates, fused gated norm)")
+
+
+def enable(model: nn.Module, device: torch.device, enabled: bool = True) -> str:
+    """choose() and, when it says fast, install(model, fla_ops()); returns the line to log."""
+    fast, line = choose(model, device, enabled)
+    if fast:
+        install(model, fla_ops())
+    return line
+
+
+# ---- the rebound forwards -----------------------------------------------------------------------------------
+
+def _zero_centred(norm: nn.Module) -> torch.Tensor:
+    return (1.0 + norm.weight.detach().float()).contiguous()  # [H] fp32: Qwen3_5RMSNorm is x_hat * (1 + w)
+
+
+def _bind(module: nn.Module, forward) -> None:
+    module.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+    setattr(module, _PATCHED, True)
+
+
+def _norm_forward(norm: nn.Module, ops):
+    w1, eps = _zero_centred(norm), norm.eps
+
+    def forward(x):  # [..., D] -> [..., D]
+        return ops.rms_norm(x, w1, None, eps=eps)
+
+    return forward
+
+
+def _gdn_forward(gdn: nn.Module, ops, gate_in_kernel: bool):
+    ref = type(gdn).forward
+    conv_w = gdn.conv1d.weight.detach().squeeze(1)  # [D, W], a view
+    K, V, dk, dv = gdn.key_dim, gdn.value_dim, gdn.head_k_dim, gdn.head_v_dim
+
+    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+        if cache is not None or kwargs.get("cache_params") is not None or kwargs.get("cu_seq_lens_q") is not None:
+            return ref(gdn, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None:  # zero the padded tokens, as transformers does
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        B, T, _ = hidden_states.shape
+        qkv, _ = ops.causal_conv1d(gdn.in_proj_qkv(hidden_states), weight=conv_w, bias=gdn.conv1d.bias,
+                                   activation=gdn.activation)  # [B, T, 2K + V], no transposes
+        q, k, v = torch.split(qkv, [K, K, V], dim=-1)
+        q, k, v = q.reshape(B, T, -1, dk), k.reshape(B, T, -1, dk), v.reshape(B, T, -1, dv)  # [B, T, H|HV, d]
+        z = gdn.in_proj_z(hidden_states)  # [B, T, HV * dv]
+        b, a = gdn.in_proj_b(hidden_states), gdn.in_proj_a(hidden_states)  # [B, T, HV]
+        if gate_in_kernel:
+            o, _ = ops.chunk_gated_delta_rule(q, k, v, g=a, beta=b, use_qk_l2norm_in_kernel=True,
+                                              use_gate_in_kernel=True, A_log=gdn.A_log, dt_bias=gdn.dt_bias,
+                                              use_beta_sigmoid_in_kernel=True)
+        else:
+            g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
+            o, _ = ops.chunk_gated_delta_rule(q, k, v, g=g, beta=b.sigmoid(), use_qk_l2norm_in_kernel=True)
+        o = ops.rms_norm_gated(o.reshape(-1, dv), z.reshape(-1, dv), gdn.norm.weight, None, activation="silu",
+                               eps=gdn.norm.variance_epsilon)  # [B * T * HV, dv]
+        return gdn.out_proj(o.reshape(B, T, -1))  # [B, T, H]
+
+    return forward
+
+
+def _layer_forward(layer: nn.Module, ops):
+    ref = type(layer).forward
+    w_in, w_post = _zero_centred(layer.input_layernorm), _zero_centred(layer.post_attention_layernorm)
+    eps_in, eps_post = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
+    mlp = layer.mlp
+
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
+                **kwargs):
+        if cache is not None or kwargs.get("past_key_values") is not None:
+            return ref(layer, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                       position_ids=position_ids, cache=cache, **kwargs)
+        h = ops.rms_norm(hidden_states, w_in, None, eps=eps_in)  # [B, T, H]
+        if layer.block_type == "linear_attention":
+            h = layer.linear_attn(hidden_states=h, cache=None, attention_mask=attention_mask, **kwargs)
+        else:
+            h, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=None, position_embeddings=position_embeddings, **kwargs)
+        h, residual = ops.rms_norm(h, w_post, None, residual=hidden_states, eps=eps_post, prenorm=True)
+        return residual + mlp.down_proj(ops.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))  # [B, T, H]
+
+    return forward
+
+
+def install(model: nn.Module, ops: Optional[SimpleNamespace] = None, gate_in_kernel: bool = True) -> int:
+    """Rebind the forwards of `model`'s Qwen3_5 modules to `ops` (default fla_ops()); returns how many modules."""
+    ops = ops or fla_ops()
+    remove(model)
+    n = 0
+    for mod in model.modules():
+        kind = type(mod).__name__
+        if kind == "Qwen3_5DecoderLayer":
+            _bind(mod, _layer_forward(mod, ops))
+        elif kind == "Qwen3_5GatedDeltaNet":
+            _bind(mod, _gdn_forward(mod, ops, gate_in_kernel))
+        elif kind == "Qwen3_5RMSNorm":
+            _bind(mod, _norm_forward(mod, ops))
+        else:
+            continue
+        n += 1
+    return n
+
+
+def remove(model: nn.Module) -> int:
+    """Give every rebound module its class's (transformers') forward back; returns how many."""
+    n = 0
+    for mod in model.modules():
+        if mod.__dict__.pop(_PATCHED, False):
+            mod.__dict__.pop("forward", None)
+            n += 1
+    return n
+
+
+def installed(model: nn.Module) -> int:
+    return sum(bool(m.__dict__.get(_PATCHED)) for m in model.modules())
