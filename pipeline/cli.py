@@ -155,6 +155,9 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @click.option("--gpus", default=None, help="GPUs for the DDP ranks, e.g. 5,6,7 (one process per GPU).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Without GPUs: number of CPU processes (gloo DDP).")
+@click.option("--num-nodes", type=click.IntRange(min=1), default=None,
+              help="Nodes of the job (default: train.num_nodes, 1); --gpus/--devices are the ranks per node. Start "
+              "`dflash train` once per node under srun, torchrun or MASTER_ADDR/MASTER_PORT/NODE_RANK.")
 @click.option("--store", default=None, help="Store path or URL (default: store.path).")
 @click.option("--resume", is_flag=True, help="Continue from RUN/checkpoints/last.ckpt (step, optimiser, data position).")
 @click.option("--no-export", is_flag=True, help="Skip exporting the drafter at the end.")
@@ -165,7 +168,8 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
               metavar="EXPORT_DIR", help="Start a new run from an exported drafter's weights (RUN/export or a published "
               "DFlash checkpoint) with a fresh optimizer and schedule; unlike --resume, which continues this run.")
-def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache, follow, init_from):
+def train(config_path, overrides, gpus, devices, num_nodes, store, resume, no_export, rebuild_compile_cache, follow,
+          init_from):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
@@ -178,7 +182,7 @@ def train(config_path, overrides, gpus, devices, store, resume, no_export, rebui
     cfg = _load(config_path, overrides)
     gpu_list = _gpu_list(gpus)
     _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
-         rebuild_compile_cache=rebuild_compile_cache, follow=follow, init_from=init_from)
+         rebuild_compile_cache=rebuild_compile_cache, follow=follow, init_from=init_from, num_nodes=num_nodes)
 
 
 @main.command("run")
