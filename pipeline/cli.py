@@ -46,6 +46,20 @@ def _gpu_list(value: Optional[str]) -> Optional[list[int]]:
     return gpus
 
 
+class ShardSet(click.ParamType):
+    """--shard-index: one shard or a set (3, 0-4, 0,2,4, 0-2,5); checked against --shards by the stage."""
+
+    name = "SET"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip()
+        if text.startswith("-") and text[1:].isdigit():
+            self.fail(f"{text} is not in the range x>=0", param, ctx)
+        if not text or any(c not in "0123456789,- " for c in text):
+            self.fail(f"{value!r}: expected shard indices such as 3, 0-4, 0,2,4 or 0-2,5", param, ctx)
+        return int(text) if text.isdigit() else text
+
+
 def _command_line() -> str:
     return shlex.join(["dflash", *sys.argv[1:]])
 
@@ -95,8 +109,9 @@ def main() -> None:
 @click.option("--shards", type=click.IntRange(min=1), default=None,
               help="Number of data-parallel shards (default: extract.shards).")
 @click.option("--gpus", default=None, help="GPUs for the shards, e.g. 0,1,2,3,4 (default: shard i on GPU i).")
-@click.option("--shard-index", type=click.IntRange(min=0), default=None,
-              help="Run only this shard (for a scheduler or another node).")
+@click.option("--shard-index", type=ShardSet(), default=None,
+              help="Run only these shards of --shards: 3, 0-4, 0,2,4 (one call per node or scheduler task, the "
+              "same --shards everywhere; the j-th shard on the j-th GPU or --gpus entry).")
 @click.option("--store", default=None, help="Store path or fsspec URL (default: store.path).")
 @click.option("--plan", is_flag=True, help="Only print what the extraction would take (samples and tokens, store "
               "size, free disk, time on the GPUs) and exit without writing anything.")
