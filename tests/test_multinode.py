@@ -222,3 +222,15 @@ def test_start_up_check_names_the_ranks_that_differ():
     odd = rank(1, "b")
     odd["shape"] = [2, 2, 4]
     assert _differences([rank(0, "a"), odd])[0].startswith("the world size: rank 0 on a has --num-nodes 2 x 1")
+
+
+def test_projection_counts_the_inter_node_all_reduce():
+    """bench/multinode_projection.py (the README's table): a ring all-reduce of 6.9 GB at 400 Gbit/s per GPU."""
+    from bench.multinode_projection import project
+
+    one, two = project(1, 8, 1.2e9, 6, 400), project(2, 8, 1.2e9, 6, 400)
+    assert two["allreduce_ms"] == pytest.approx(2 * 15 / 16 * 6.9e9 / 50e9 * 1000)
+    assert one["scaling"] == 0.91 and one["extract_h"] == pytest.approx(1.2e9 / (8977 * 8) / 3600)
+    assert two["extract_h"] == pytest.approx(one["extract_h"] / 2)
+    assert two["train_h"] == pytest.approx(1.2e9 * 6 / (12245 * 16 * two["scaling"]) / 3600)
+    assert 0.5 < two["scaling"] < one["scaling"]

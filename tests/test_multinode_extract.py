@@ -122,6 +122,7 @@ def test_shard_sets_parse_and_ambiguous_combinations_are_refused():
     assert shard_gpus(None, 8, 5, 4) == {5: 0}  # one shard, as before
 
 
+@pytest.mark.slow  # one dflash subprocess per refusal
 @pytest.mark.parametrize("value, text", [("0-9", "error: --shard-index 0-9: shard(s) [4, 5, 6, 7, 8, 9] out of range "
                                                   "for --shards 4"), ("1,1", "names a shard twice"),
                                          ("x", "'x': expected shard indices such as 3, 0-4")])
