@@ -188,7 +188,8 @@ def train(config_path, overrides, gpus, devices, num_nodes, store, resume, no_ex
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
-    The target checkpoint is never loaded: rerun with other hyperparameters on the same store for free.
+    `--num-nodes N`: Lightning's multi-node DDP, started once per node (MASTER_ADDR/MASTER_PORT/NODE_RANK) or
+    per rank (srun, torchrun); --gpus/--devices are then the ranks per node. The target checkpoint is never loaded: rerun with other hyperparameters on the same store for free.
     On a store still being written, training follows the extraction: it starts once one optimizer step's
     samples are committed, waits when it has caught up, and ends after train.epochs over the final store.
     """

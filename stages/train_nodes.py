@@ -84,7 +84,8 @@ class Topology:
             top = cls(num_nodes, per_node, num("GROUP_RANK"), num("LOCAL_RANK"), num("RANK"), "torchrun", True)
         elif "SLURM_NTASKS" in e and e.get("SLURM_JOB_NAME") not in ("bash", "interactive"):  # srun
             require(num("SLURM_NTASKS"), f"SLURM started {e['SLURM_NTASKS']} task(s) (SLURM_NTASKS; one task per rank: "
-                    "--ntasks-per-node = ranks per node)")
+                    "--ntasks-per-node = ranks per node; or, to have Lightning start this node's ranks itself "
+                    "inside an allocation, run without srun as SLURM_JOB_NAME=interactive dflash train ...)")
             if "SLURM_NNODES" in e and num("SLURM_NNODES") != num_nodes:
                 raise NodesError(f"{shape}, but the SLURM job has {e['SLURM_NNODES']} node(s) (SLURM_NNODES): pass "
                                  f"--num-nodes {e['SLURM_NNODES']}")
