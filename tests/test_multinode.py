@@ -157,6 +157,18 @@ def test_a_node_that_cannot_reach_the_master_fails_within_the_rendezvous_timeout
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_nodes_with_different_configs_stop_before_training_with_one_error(tiny_store, tmp_path):
+    run, port = tmp_path / "run", free_port()
+    procs = [_start(_args(tiny_store, run, "--num-nodes", "2", "--devices", "1", "--set", f"train.lr={lr}"),
+                    node_env("plain", n, 2, port)) for n, lr in enumerate(("6e-4", "3e-4"))]
+    for n, (rc, out) in enumerate(_finish(procs)):
+        errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+        assert rc == 2 and errors == ["error: the nodes of this job do not agree, nothing was trained:"], (n, out[-3000:])
+        assert "  the config (the same --config and --set on every node): rank 1 on " in out, out[-3000:]
+    assert not (run / "checkpoints").exists()
+
+
 # -- no processes ------------------------------------------------------------------------------------------------
 
 def _lightning_env(env: dict):
