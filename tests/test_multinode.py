@@ -119,7 +119,9 @@ def test_a_killed_node_stops_the_other_with_the_resume_hint_and_one_node_resumes
     procs = _two_nodes("slurm", tiny_store, run)
     deadline = time.time() + HANG_S  # a hang guard only
     while time.time() < deadline and all(p.poll() is None for p in procs):
-        if (run / "checkpoints" / "last.ckpt").exists():  # (the link follows the step file, after a barrier)
+        # the first step file: killed at once, node 0 may still be in the save's barrier, before Lightning links
+        # last.ckpt to it (the survivor then links it: stages/train.py link_newest_step)
+        if list((run / "checkpoints").glob("step*.ckpt")):
             break
         time.sleep(0.05)
     assert all(p.poll() is None for p in procs), _finish(procs)
@@ -246,3 +248,23 @@ def test_projection_counts_the_inter_node_all_reduce():
     assert two["extract_h"] == pytest.approx(one["extract_h"] / 2)
     assert two["train_h"] == pytest.approx(1.2e9 * 6 / (12245 * 16 * two["scaling"]) / 3600)
     assert 0.5 < two["scaling"] < one["scaling"]
+
+
+def test_last_ckpt_is_pointed_at_the_newest_complete_step_file(tmp_path):
+    """A node lost during rank 0's save: the step file is complete but Lightning's link (after the save's
+    barrier) never came; the survivor links it, atomically, and never replaces a real final checkpoint."""
+    from stages.train import link_newest_step
+
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    assert link_newest_step(ck) is None and not (ck / "last.ckpt").exists()
+    (ck / "step2.ckpt").write_text("2")
+    assert link_newest_step(ck) == ck / "step2.ckpt" and (ck / "last.ckpt").read_text() == "2"  # none before
+    (ck / "step10.ckpt").write_text("10")  # numeric order, not text order
+    assert link_newest_step(ck) == ck / "step10.ckpt" and (ck / "last.ckpt").read_text() == "10"
+    assert link_newest_step(ck) is None and os.readlink(ck / "last.ckpt") == "step10.ckpt"
+    (ck / "last.ckpt").unlink()
+    (ck / "last.ckpt").write_text("final")  # save_final's full file
+    (ck / "step12.ckpt").write_text("12")
+    assert link_newest_step(ck) is None and (ck / "last.ckpt").read_text() == "final"
+    assert [f.name for f in ck.iterdir() if f.name.startswith(".")] == []
