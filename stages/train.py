@@ -260,60 +260,6 @@ def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
                        gradient_as_bucket_view=t.ddp_gradient_as_bucket_view, static_graph=t.ddp_static_graph, **timeout)
 
 
-def _store_facts(store_path: str, attrs: dict, reader) -> dict:
-    """What every node must see alike of the store: its provenance, and a finished store's commit records."""
-    from data.follow import GrowingStore
-
-    if isinstance(reader, GrowingStore):  # still growing: the commits differ by the moment each node looked
-        return {"provenance": st.digest(attrs)}
-    return {"provenance": st.digest(attrs),
-            "progress": [dataclasses.asdict(st.shard_progress(store_path, i) or st.Progress())
-                         for i in range(int(attrs["num_shards"]))]}
-
-
-def link_newest_step(ckpt_dir: Path) -> Optional[Path]:
-    """Point last.ckpt at the newest complete step checkpoint when it points at an older one or is missing.
-
-    A node lost while rank 0 saved a checkpoint leaves the step file complete (written to a temporary file and
-    renamed) but the link not made: Lightning links after the barrier that follows the save, which fails. The
-    resume would start from the checkpoint before it, or find no last.ckpt at all after the first one."""
-    steps = [(int(f.stem[4:]), f) for f in ckpt_dir.glob("step*.ckpt") if f.stem[4:].isdigit()]
-    if not steps:
-        return None
-    step, newest = max(steps)
-    last = ckpt_dir / "last.ckpt"
-    if last.exists() and not last.is_symlink():
-        return None  # a full final checkpoint (save_final): never replaced by a link
-    if last.is_symlink() and last.resolve() == newest.resolve():
-        return None
-    tmp = ckpt_dir / f".last.ckpt.{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(newest.name)
-    os.replace(tmp, last)  # atomic: last.ckpt is never missing
-    return newest
-
-
-def _exit_lost_peer(e: BaseException, trainer, top, ckpt_dir: Path, command: str) -> None:
-    """Another rank went away mid-run (a killed or failed node): say so with the resume hint and leave at once
-    (exit 1), ending the ranks Lightning started here; the checkpoints written so far are kept, and last.ckpt
-    made to point at the newest of them (`link_newest_step`)."""
-    starter = getattr(trainer.strategy, "launcher", None)
-    if hasattr(starter, "kill"):  # (a rank Lightning started has none of its own)
-        starter.kill(signal.SIGKILL)
-    if top.rank == 0:
-        linked = link_newest_step(ckpt_dir)
-        if linked is not None:
-            print(f"train: {ckpt_dir / 'last.ckpt'} now points at {linked.name}, the newest complete checkpoint "
-                  "(its link was not made: the save's barrier failed)", file=sys.stderr)
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    print(f"train: {top.where} lost contact with another rank ({type(e).__name__}: {first}); a node failed or "
-          f"was stopped. Stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; resume (on "
-          f"any number of nodes) with: {resume_command(command)}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)  # not Python's finalisation: destroying a process group with a dead peer can wait on it
-
-
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
               command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False,
               init_from: Optional[str] = None, num_nodes: Optional[int] = None) -> int:
@@ -406,9 +352,9 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     callbacks = []
     if top.num_nodes > 1:  # every rank's config, store, data plan and checkpoint compared once the group forms
-        from stages.train_nodes import nodes_check
+        from stages.train_nodes import nodes_check, store_facts
 
-        facts = {"config": dump_config(cfg), "store": _store_facts(store_path, attrs, reader),
+        facts = {"config": dump_config(cfg), "store": store_facts(store_path, attrs, reader),
                  "plan": {"stream_epochs": sorted(stream_epochs), "batches": len(sampler), "steps": planned},
                  "resume": resume_state and {"step": resume_state["global_step"], "loader": resume_state["loader"]}}
         callbacks.append(nodes_check(top, facts, run_dir, cfg.train.collective_timeout_s))
@@ -471,12 +417,12 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     except BaseException as e:  # Lightning turns SIGTERM and Ctrl-C into SystemExit
         if not stopped_by_user(e, trainer):
             if callbacks:  # across nodes: a group that never formed, or a node that went away
-                from stages.train_nodes import lost_peer, rendezvous_error
+                from stages.train_nodes import exit_lost_peer, lost_peer, rendezvous_error
 
                 if not callbacks[0].passed and lost_peer(e):
                     raise rendezvous_error(top, e, cfg.train.rendezvous_timeout_s) from None
                 if lost_peer(e):
-                    _exit_lost_peer(e, trainer, top, ckpt_dir, command)
+                    exit_lost_peer(e, trainer, top, ckpt_dir, resume_command(command))
             raise
         if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # a collective or loader the stop cut short
             print(f"train: {type(e).__name__} while stopping after {StopRequest.reason} (a consequence of the "

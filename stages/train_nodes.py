@@ -19,21 +19,26 @@ Contract:
   group forms under `train.rendezvous_timeout_s` (a node that cannot reach the master, or that never comes,
   fails within it); after the check its timeout becomes `train.collective_timeout_s`.
 - `lost_peer(exc)`: whether `fit` ended because another rank went away (a killed node: gloo's closed
-  connection, NCCL's watchdog timeout or remote error), so that the survivors exit with the resume hint.
+  connection, NCCL's watchdog timeout or remote error); `exit_lost_peer` then leaves with exit 1 and the
+  resume hint, after rank 0 pointed last.ckpt at the newest complete step checkpoint (`link_newest_step`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import signal
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+from pipeline import store as st
 from pipeline.errors import UserError
 
 
@@ -109,6 +114,60 @@ class Topology:
             raise NodesError(f"{shape}, but this process is local rank {top.local}, global rank {top.rank} "
                              f"({top.env}): start every node with the same --num-nodes and --gpus/--devices")
         return top
+
+
+def store_facts(store_path: str, attrs: dict, reader) -> dict:
+    """What every node must see alike of the store: its provenance, and a finished store's commit records."""
+    from data.follow import GrowingStore
+
+    if isinstance(reader, GrowingStore):  # still growing: the commits differ by the moment each node looked
+        return {"provenance": st.digest(attrs)}
+    return {"provenance": st.digest(attrs),
+            "progress": [dataclasses.asdict(st.shard_progress(store_path, i) or st.Progress())
+                         for i in range(int(attrs["num_shards"]))]}
+
+
+def link_newest_step(ckpt_dir: Path) -> Optional[Path]:
+    """Point last.ckpt at the newest complete step checkpoint when it points at an older one or is missing.
+
+    A node lost while rank 0 saved a checkpoint leaves the step file complete (written to a temporary file and
+    renamed) but the link not made: Lightning links after the barrier that follows the save, which fails. The
+    resume would start from the checkpoint before it, or find no last.ckpt at all after the first one."""
+    steps = [(int(f.stem[4:]), f) for f in ckpt_dir.glob("step*.ckpt") if f.stem[4:].isdigit()]
+    if not steps:
+        return None
+    step, newest = max(steps)
+    last = ckpt_dir / "last.ckpt"
+    if last.exists() and not last.is_symlink():
+        return None  # a full final checkpoint (save_final): never replaced by a link
+    if last.is_symlink() and last.resolve() == newest.resolve():
+        return None
+    tmp = ckpt_dir / f".last.ckpt.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(newest.name)
+    os.replace(tmp, last)  # atomic: last.ckpt is never missing
+    return newest
+
+
+def exit_lost_peer(e: BaseException, trainer, top: Topology, ckpt_dir: Path, hint: str) -> None:
+    """Another rank went away mid-run (a killed or failed node): say so with the resume hint and leave at once
+    (exit 1), ending the ranks Lightning started here; the checkpoints written so far are kept, and last.ckpt
+    made to point at the newest of them (`link_newest_step`)."""
+    starter = getattr(trainer.strategy, "launcher", None)
+    if hasattr(starter, "kill"):  # (a rank Lightning started has none of its own)
+        starter.kill(signal.SIGKILL)
+    if top.rank == 0:
+        linked = link_newest_step(ckpt_dir)
+        if linked is not None:
+            print(f"train: {ckpt_dir / 'last.ckpt'} now points at {linked.name}, the newest complete checkpoint "
+                  "(its link was not made: the save's barrier failed)", file=sys.stderr)
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    print(f"train: {top.where} lost contact with another rank ({type(e).__name__}: {first}); a node failed or "
+          f"was stopped. Stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; resume (on "
+          f"any number of nodes) with: {hint}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # not Python's finalisation: destroying a process group with a dead peer can wait on it
 
 
 def digest(obj) -> str:

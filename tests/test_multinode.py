@@ -253,7 +253,7 @@ def test_projection_counts_the_inter_node_all_reduce():
 def test_last_ckpt_is_pointed_at_the_newest_complete_step_file(tmp_path):
     """A node lost during rank 0's save: the step file is complete but Lightning's link (after the save's
     barrier) never came; the survivor links it, atomically, and never replaces a real final checkpoint."""
-    from stages.train import link_newest_step
+    from stages.train_nodes import link_newest_step
 
     ck = tmp_path / "checkpoints"
     ck.mkdir()
