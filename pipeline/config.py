@@ -160,6 +160,10 @@ class TrainConfig:
     ddp_bucket_cap_mb: float = 25.0  # gradient bucket size of the all-reduce
     ddp_gradient_as_bucket_view: bool = False  # gradients are views into the buckets: no copy, less memory
     ddp_static_graph: bool = False  # the same parameters get gradients every step (lets DDP skip its per-step search)
+    # multi-node (stages/train_nodes.py): nodes of the job; --gpus/--devices are the ranks per node
+    num_nodes: int = 1
+    rendezvous_timeout_s: float = 300.0  # every rank must join the process group and pass the start-up check by then
+    collective_timeout_s: float = 1800.0  # after the start-up check: a collective that waits longer fails (NCCL's watchdog)
 
 
 @dataclass

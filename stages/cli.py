@@ -46,6 +46,20 @@ def _gpu_list(value: Optional[str]) -> Optional[list[int]]:
     return gpus
 
 
+class ShardSet(click.ParamType):
+    """--shard-index: one shard or a set (3, 0-4, 0,2,4, 0-2,5); checked against --shards by the stage."""
+
+    name = "SET"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip()
+        if text.startswith("-") and text[1:].isdigit():
+            self.fail(f"{text} is not in the range x>=0", param, ctx)
+        if not text or any(c not in "0123456789,- " for c in text):
+            self.fail(f"{value!r}: expected shard indices such as 3, 0-4, 0,2,4 or 0-2,5", param, ctx)
+        return int(text) if text.isdigit() else text
+
+
 def _command_line() -> str:
     return shlex.join(["dflash", *sys.argv[1:]])
 
@@ -95,8 +109,9 @@ def main() -> None:
 @click.option("--shards", type=click.IntRange(min=1), default=None,
               help="Number of data-parallel shards (default: extract.shards).")
 @click.option("--gpus", default=None, help="GPUs for the shards, e.g. 0,1,2,3,4 (default: shard i on GPU i).")
-@click.option("--shard-index", type=click.IntRange(min=0), default=None,
-              help="Run only this shard (for a scheduler or another node).")
+@click.option("--shard-index", type=ShardSet(), default=None,
+              help="Run only these shards of --shards: 3, 0-4, 0,2,4 (one call per node or scheduler task, the "
+              "same --shards everywhere; the j-th shard on the j-th GPU or --gpus entry).")
 @click.option("--store", default=None, help="Store path or fsspec URL (default: store.path).")
 @click.option("--plan", is_flag=True, help="Only print what the extraction would take (samples and tokens, store "
               "size, free disk, time on the GPUs) and exit without writing anything.")
@@ -156,6 +171,9 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @click.option("--gpus", default=None, help="GPUs for the DDP ranks, e.g. 5,6,7 (one process per GPU).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Without GPUs: number of CPU processes (gloo DDP).")
+@click.option("--num-nodes", type=click.IntRange(min=1), default=None,
+              help="Nodes of the job (default: train.num_nodes, 1); --gpus/--devices are the ranks per node. Start "
+              "`dflash train` once per node under srun, torchrun or MASTER_ADDR/MASTER_PORT/NODE_RANK.")
 @click.option("--store", default=None, help="Store path or URL (default: store.path).")
 @click.option("--resume", is_flag=True, help="Continue from RUN/checkpoints/last.ckpt (step, optimiser, data position).")
 @click.option("--no-export", is_flag=True, help="Skip exporting the drafter at the end.")
@@ -166,11 +184,13 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
               metavar="EXPORT_DIR", help="Start a new run from an exported drafter's weights (RUN/export or a published "
               "DFlash checkpoint) with a fresh optimizer and schedule; unlike --resume, which continues this run.")
-def train(config_path, overrides, gpus, devices, store, resume, no_export, rebuild_compile_cache, follow, init_from):
+def train(config_path, overrides, gpus, devices, num_nodes, store, resume, no_export, rebuild_compile_cache, follow,
+          init_from):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
-    The target checkpoint is never loaded: rerun with other hyperparameters on the same store for free.
+    `--num-nodes N`: Lightning's multi-node DDP, started once per node (MASTER_ADDR/MASTER_PORT/NODE_RANK) or
+    per rank (srun, torchrun); --gpus/--devices are then the ranks per node. The target checkpoint is never loaded: rerun with other hyperparameters on the same store for free.
     On a store still being written, training follows the extraction: it starts once one optimizer step's
     samples are committed, waits when it has caught up, and ends after train.epochs over the final store.
     """
@@ -179,7 +199,7 @@ def train(config_path, overrides, gpus, devices, store, resume, no_export, rebui
     cfg = _load(config_path, overrides)
     gpu_list = _gpu_list(gpus)
     _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
-         rebuild_compile_cache=rebuild_compile_cache, follow=follow, init_from=init_from)
+         rebuild_compile_cache=rebuild_compile_cache, follow=follow, init_from=init_from, num_nodes=num_nodes)
 
 
 @main.command("run")

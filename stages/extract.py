@@ -8,7 +8,9 @@ Contract:
   holder's host and pid; each worker writes under its parent's lock (the lock is live while either runs).
   A lock left by a killed run is taken over by the next one, no cleanup needed.
 - Shard i runs on GPU gpus[i] (default: GPU i) with only that GPU visible; with no GPU, workers run on the
-  CPU sharing the cores. `--shard-index I` runs one shard alone (a scheduler or another node).
+  CPU sharing the cores. `--shard-index SET` (`3`, `0-4`, `0,2,4`, `0-2,5`; `parse_shard_set`) runs only
+  those shards of `--shards`: one call per node (or per scheduler task) with the same `--shards`, the node's
+  shards on its own GPUs (the j-th shard of the set on the j-th GPU, or on `--gpus`' j-th entry).
 - The parent prints live progress (per shard and total samples, tokens, tokens/s, ETA): a redrawn line on a
   terminal, plain periodic lines otherwise. Workers' stderr goes to STORE/logs/extract-shard-NNNNN.log.
 - A failing worker stops the others (SIGTERM, then SIGKILL), and the command exits 1 naming the shard, its
@@ -22,6 +24,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -122,6 +125,17 @@ class Monitor:
             elif msg.get("event") == "error":
                 self.errors[shard] = msg.get("error", "unknown error")
 
+    def shard_rates(self) -> dict[int, dict]:
+        """Per shard: tokens/s since this call first heard from it, and the ETA of its planned tokens."""
+        out = {}
+        with self.lock:
+            for i, s in self.state.items():
+                t0, k0 = self.first.get(i, (time.time(), 0))
+                dt, left = time.time() - t0, s.get("planned_tokens", 0) - s.get("tokens", 0)
+                rate = (s.get("tokens", 0) - k0) / dt if dt > 1 else 0.0
+                out[i] = {"rate_tok_s": rate, "eta_s": left / rate if rate > 0 else None}
+        return out
+
     def line(self) -> str:
         with self.lock:
             tok = sum(s.get("tokens", 0) for s in self.state.values())
@@ -149,22 +163,59 @@ class Monitor:
             print(line.ljust(100 if self.tty else 0), end=end, file=self.out, flush=True)
             if status_file is not None:  # read by `dflash status` from another shell
                 tmp = status_file.with_suffix(".tmp")
+                rates = self.shard_rates()
                 tmp.write_text(json.dumps({"state": state, "line": line, "pid": os.getpid(), "time": now,
-                                           "error": error, "shards": {str(k): v for k, v in self.state.items()}}))
+                                           "host": socket.gethostname(), "error": error,
+                                           "shards": {str(k): {**v, **rates[k]} for k, v in self.state.items()}}))
                 tmp.replace(status_file)
 
 
-def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index: Optional[int], n_gpu: int) -> dict[int, int]:
+def parse_shard_set(value, num_shards: int) -> Optional[list[int]]:
+    """--shard-index as the sorted shards it names: an int, or text such as `3`, `0-4`, `0,2,4`, `0-2,5`. Each
+    shard once, each in 0..num_shards-1, else an ExtractError naming the value and the fix."""
+    if value is None or isinstance(value, int):
+        out = None if value is None else [value]
+    else:
+        out, text = [], str(value).replace(" ", "")
+        for part in text.split(","):
+            lo, dash, hi = part.partition("-")
+            if not (lo.isdigit() and (not dash or hi.isdigit())):
+                raise ExtractError(f"--shard-index {value!r}: expected shard indices such as 3, 0-4, 0,2,4 or 0-2,5")
+            a, b = int(lo), int(hi) if dash else int(lo)
+            if b < a:
+                raise ExtractError(f"--shard-index {value!r}: the range {part} runs backwards; write {b}-{a}")
+            out += range(a, b + 1)
+        if len(set(out)) < len(out):
+            raise ExtractError(f"--shard-index {value!r} names a shard twice: each shard runs on one node only")
+    if out is not None:
+        bad = [i for i in out if not 0 <= i < num_shards]
+        if bad:
+            raise ExtractError(f"--shard-index {value}: shard(s) {bad} out of range for --shards {num_shards} "
+                               f"(0..{num_shards - 1}); every node passes the same --shards")
+        out = sorted(out)
+    return out
+
+
+def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index, n_gpu: int) -> dict[int, int]:
     """Which GPU (index among the visible ones) each shard to run gets. All shards: --gpus in order, default
     0..shards-1. One shard (--shard-index, e.g. under a scheduler): the single --gpus entry, default the first
-    visible GPU (or the shard's entry of a --gpus list with one GPU per shard). More shards than visible GPUs
-    and no --gpus: the shards take the GPUs in turn (several workers on one GPU; the memory check counts them)."""
+    visible GPU (or the shard's entry of a --gpus list with one GPU per shard). A set of shards (one node's):
+    the j-th shard on --gpus' j-th entry, default the j-th visible GPU. More shards than visible GPUs and no
+    --gpus: the shards take the GPUs in turn (several workers on one GPU; the memory check counts them)."""
     if not n_gpu:
         if gpus:
             raise ExtractError(f"--gpus {','.join(map(str, gpus))}: this process sees no CUDA GPU (CUDA_VISIBLE_DEVICES="
                                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); leave --gpus out to run on the CPU")
         return {}
-    if shard_index is not None:
+    shard_set = parse_shard_set(shard_index, num_shards)
+    if shard_set is not None and len(shard_set) > 1:
+        if gpus is not None and len(gpus) != len(shard_set):
+            raise ExtractError(f"--shard-index {','.join(map(str, shard_set))} runs {len(shard_set)} shards here: give "
+                               f"--gpus {len(shard_set)} GPUs (the j-th shard on the j-th), or leave --gpus out (GPUs "
+                               f"0..{len(shard_set) - 1}); it names {len(gpus)}: {gpus}")
+        chosen = {i: (gpus[j] if gpus is not None else j % n_gpu) for j, i in enumerate(shard_set)}
+    elif shard_set is not None:
+        shard_index = shard_set[0]
         if gpus is not None and len(gpus) not in (1, num_shards):
             raise ExtractError(f"--shard-index runs one shard: give --gpus one GPU (or one per shard); it names "
                                f"{len(gpus)}: {gpus}")
@@ -181,25 +232,25 @@ def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index: Optional
 
 
 def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[list[int]] = None,
-                shard_index: Optional[int] = None, store: Optional[str] = None, command: str = "dflash extract") -> int:
+                shard_index=None, store: Optional[str] = None, command: str = "dflash extract") -> int:
+    """`shard_index`: None (every shard), one index, or a set as `--shard-index` gives it (`parse_shard_set`)."""
     from data.ingest import ingest
 
     store_path = store or cfg.store.path
     num_shards = cfg.extract.shards if shards is None else shards
     if num_shards < 1:
         raise ExtractError(f"--shards {num_shards}: the number of shards must be at least 1")
-    if shard_index is not None and not 0 <= shard_index < num_shards:
-        raise ExtractError(f"--shard-index {shard_index} is out of range for --shards {num_shards}")
+    shard_set = parse_shard_set(shard_index, num_shards)
     from pipeline.store_lock import acquire_all, refuse_if_held
 
-    refuse_if_held(store_path, [shard_index] if shard_index is not None else list(range(num_shards)))  # before ingest
+    refuse_if_held(store_path, shard_set if shard_set is not None else list(range(num_shards)))  # before ingest
     tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
     samples, report = ingest(cfg.data, tokenizer)  # raises on bad rows before any worker starts
     print(report.summary(), file=sys.stderr)
     provenance = build_provenance(cfg, tokenizer, samples, num_shards, command)
     st.create_or_open_store(store_path, provenance)
     reader_state = _shard_done(store_path, num_shards)
-    todo = [shard_index] if shard_index is not None else list(range(num_shards))
+    todo = shard_set if shard_set is not None else list(range(num_shards))
     if all(reader_state.get(i, False) for i in todo):
         if st.exists(st.frozen_head_path(store_path)):
             print(f"extract: nothing to do, the store at {store_path} is already complete for shard(s) {todo}", file=sys.stderr)
@@ -208,7 +259,7 @@ def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[lis
     locks = {lk.index: lk for lk in acquire_all(store_path, todo, command)}  # refused at once if another run holds one
     procs: dict[int, subprocess.Popen] = {}
     try:
-        return _run_workers(cfg, num_shards, gpus, shard_index, store_path, command,
+        return _run_workers(cfg, num_shards, gpus, shard_set, store_path, command,
                             provenance, samples, todo, locks, procs)
     finally:
         _stop_all(procs, exclude=-1)  # (all have exited unless this process failed) no worker outlives its lock
@@ -217,7 +268,7 @@ def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[lis
 
 
 def _run_workers(cfg: Config, num_shards: int,
-                 gpus: Optional[list[int]], shard_index: Optional[int], store_path: str, command: str,
+                 gpus: Optional[list[int]], shard_index: Optional[list[int]], store_path: str, command: str,
                  provenance: dict, samples, todo: list[int], locks: dict, procs: dict) -> int:
     import torch
 
@@ -256,7 +307,10 @@ def _run_workers(cfg: Config, num_shards: int,
     for i in todo:
         save_shard_samples(samples, num_shards, i, logs / f"extract-samples-{i:05d}.npz")
     monitor = Monitor(todo)
-    status_file = logs / "extract-status.json"
+    # one status file per call: a node's shard set writes its own (its first shard names it), so that nodes
+    # sharing the store do not overwrite each other's; `dflash status` merges them
+    status_file = logs / ("extract-status.json" if todo == list(range(num_shards))
+                          else f"extract-status-from-{todo[0]:05d}.json")
     readers = []
     for i in todo:
         env = dict(os.environ)

@@ -162,11 +162,15 @@ def _duration(s: float) -> str:
     return f"{s / 3600:.1f} h" if s >= 3600 else (f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s")
 
 
-def run_plan(cfg: Config, store: Optional[str], shards: Optional[int], shard_index: Optional[int]) -> int:
-    """Print the plan (stdout) and write nothing. `shards`: the GPUs working at once (one shard per GPU)."""
+def run_plan(cfg: Config, store: Optional[str], shards: Optional[int], shard_index=None) -> int:
+    """Print the plan (stdout) and write nothing. `shards`: the GPUs working at once (one shard per GPU);
+    `shard_index`: the shards of this call (one node's: `--shard-index 0-4`), which work at once."""
+    from stages.extract import parse_shard_set
+
     store_path = store or cfg.store.path
     num_shards = cfg.extract.shards if shards is None else shards
-    gpus = 1 if shard_index is not None else num_shards
+    shard_set = parse_shard_set(shard_index, num_shards)
+    gpus = len(shard_set) if shard_set is not None else num_shards
     p = make_plan(cfg, store_path, gpus)
     say = print
     say(f"plan: {p.samples['train']:,} train samples ({p.tokens['train']:,} tokens), {p.samples['validation']:,} "

@@ -2,9 +2,12 @@
 from its files only (works from another shell while the run goes on, and after it stopped).
 
 Contract: a store is recognised by its dflash root attributes and reports per-shard commits plus the
-parent's last status line (STORE/logs/extract-status.json); a run directory by RUN/progress.json and its
-checkpoints. A recorded "running" state whose process no longer exists on this host is shown as
-"stopped (process gone)". Exit 0 when the state could be read.
+parents' last status lines (STORE/logs/extract-status.json, and extract-status-from-NNNNN.json of each call
+that ran a set of shards: one per node); every shard's line names the host holding its lock and that lock's
+heartbeat age (pipeline/store_lock.py), its tokens/s and ETA from the newest status record covering it. A
+run directory by RUN/progress.json and its checkpoints. A recorded "running" state whose process no longer
+exists on this host (or, from another host, whose record is older than a lock's ttl) is shown as "stopped
+(process gone)". Exit 0 when the state could be read.
 """
 
 from __future__ import annotations
@@ -14,13 +17,53 @@ import sys
 import time
 from pathlib import Path
 
+import socket
+
 from pipeline import store as st
-from pipeline.store_lock import pid_alive
+from pipeline.store_lock import DEFAULT_TTL, holder, pid_alive
 
 
 def _age(t: float) -> str:
     s = int(time.time() - t)
     return f"{s}s ago" if s < 120 else f"{s // 60} min ago"
+
+
+def _status_records(logs: Path) -> list[dict]:
+    """Every extraction call's last status record (the whole store's, and one per node's shard set)."""
+    out = []
+    for f in sorted(logs.glob("extract-status*.json")):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue  # being replaced right now
+    return out
+
+
+def _state(rec: dict) -> str:
+    state = rec.get("state", "unknown")
+    if state != "running":
+        return state
+    here = rec.get("host", socket.gethostname()) == socket.gethostname()
+    alive = pid_alive(int(rec.get("pid", -1))) if here else time.time() - rec.get("time", 0) < DEFAULT_TTL
+    return state if alive else "stopped (process gone)"
+
+
+def _shard_detail(path: str, sh: dict, recs: list[dict]) -> str:
+    """`, on HOST (heartbeat 5s ago), 1.2K tok/s, ETA 3m10s` for a shard being written; '' for others."""
+    if sh["done"]:
+        return ""
+    from stages.extract import _fmt_eta, _fmt_rate
+
+    parts = []
+    lock = holder(path, sh["shard"])
+    if lock:
+        parts.append(f"on {lock.get('host', '?')} (heartbeat {_age(float(lock.get('heartbeat', 0)))})")
+    mine = [r for r in recs if str(sh["shard"]) in r.get("shards", {}) and _state(r) == "running"]
+    if mine:
+        m = max(mine, key=lambda r: r.get("time", 0))["shards"][str(sh["shard"])]
+        if "rate_tok_s" in m:
+            parts.append(f"{_fmt_rate(m['rate_tok_s'])} tok/s, ETA {_fmt_eta(m.get('eta_s'))}")
+    return (", " + ", ".join(parts)) if parts else ""
 
 
 def show_status(path: str, out=sys.stdout) -> int:
@@ -34,22 +77,24 @@ def show_status(path: str, out=sys.stdout) -> int:
         from stages.inspect import store_summary
 
         s = store_summary(path)
-        status = p / "logs" / "extract-status.json"
-        rec = json.loads(status.read_text()) if status.exists() else {}
-        state = rec.get("state", "unknown")
-        if state == "running" and not pid_alive(int(rec.get("pid", -1))):
-            state = "stopped (process gone)"
+        recs = _status_records(p / "logs")
+        rec = max(recs, key=lambda r: r.get("time", 0)) if recs else {}
+        running = [r for r in recs if _state(r) == "running"]
+        state = _state(rec) if recs else "unknown"  # the newest call's
+        if running:  # several calls (one per node's shard set): running while any of them runs
+            state = "running" + (f" ({len(running)} of {len(recs)} extraction calls)" if len(recs) > 1 else "")
         if s["complete"]:
             state = "finished"
         print(f"extraction {path}: {state}" + (f", last update {_age(rec['time'])}" if rec.get("time") else ""), file=out)
-        if rec.get("line"):
-            print(f"  {rec['line']}", file=out)
-        if rec.get("error"):
-            print(f"  error: {rec['error']}", file=out)
+        for r in sorted(recs, key=lambda r: r.get("time", 0)):
+            if r.get("line"):
+                print(f"  {r['line']}" + (f"  ({r['host']})" if len(recs) > 1 and r.get("host") else ""), file=out)
+            if r.get("error"):
+                print(f"  error: {r['error']}", file=out)
         for sh in s["shards"]:
             pct = 100 * sh["tokens"] / max(1, sh.get("planned_tokens") or 1)
             print(f"  shard {sh['shard']}: {'done' if sh['done'] else 'not done'}, {sh['samples']} samples, "
-                  f"{sh['tokens']} tokens committed ({pct:.0f}%)", file=out)
+                  f"{sh['tokens']} tokens committed ({pct:.0f}%){_shard_detail(path, sh, recs)}", file=out)
         return 0
     prog = p / "progress.json"
     if prog.exists():

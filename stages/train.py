@@ -246,18 +246,23 @@ def resume_command(command: str) -> str:
     return shlex.join(out if "--resume" in out else out + ["--resume"])
 
 
-def ddp_strategy(cfg: Config, use_gpu: bool):
-    """Lightning's DDP (NCCL on GPUs, gloo on CPU) with the train.ddp_* options passed to DistributedDataParallel."""
+def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
+    """Lightning's DDP (NCCL on GPUs, gloo on CPU) with the train.ddp_* options passed to DistributedDataParallel.
+    Across nodes the group forms under train.rendezvous_timeout_s (stages/train_nodes.py lengthens it after the
+    start-up check), so a node that cannot reach the master fails in minutes, not after torch's 30."""
+    from datetime import timedelta
+
     from lightning.pytorch.strategies import DDPStrategy
 
     t = cfg.train
+    timeout = {"timeout": timedelta(seconds=t.rendezvous_timeout_s)} if multi_node else {}
     return DDPStrategy(process_group_backend="nccl" if use_gpu else "gloo", bucket_cap_mb=t.ddp_bucket_cap_mb,
-                       gradient_as_bucket_view=t.ddp_gradient_as_bucket_view, static_graph=t.ddp_static_graph)
+                       gradient_as_bucket_view=t.ddp_gradient_as_bucket_view, static_graph=t.ddp_static_graph, **timeout)
 
 
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
               command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False,
-              init_from: Optional[str] = None) -> int:
+              init_from: Optional[str] = None, num_nodes: Optional[int] = None) -> int:
     store_path = store or cfg.store.path
     follow = follow or os.environ.get("DFLASH_TRAIN_FOLLOW") == "1"  # set for its ranks by a following launcher
     run_dir = Path(cfg.train.run_dir)
@@ -277,26 +282,31 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     use_gpu = torch.cuda.is_available() and gpus != []
     if use_gpu:
         accel, devs = "gpu", (gpus if gpus else [0])
-        world = len(devs)
+        per_node = len(devs)
         precision = cfg.train.precision
     else:
         accel, devs = "cpu", (devices or 1)
-        world = devs
+        per_node = devs
         precision = "32-true"
         # share the cores: OpenMP threads that outnumber cores spin against each other (10x slower steps);
         # an explicit OMP_NUM_THREADS (several runs side by side) wins
         if not os.environ.get("OMP_NUM_THREADS"):
             from pipeline.preflight import usable_cores
 
-            spare = usable_cores() // world - (1 if cfg.train.num_workers > 0 else 0)
+            spare = usable_cores() // per_node - (1 if cfg.train.num_workers > 0 else 0)
             torch.set_num_threads(max(1, spare))
+    from stages.train_nodes import Topology
+
+    if num_nodes is not None:
+        cfg.train.num_nodes = num_nodes  # recorded in RUN/config.yaml
+    top = Topology.detect(cfg.train.num_nodes, per_node)  # which rank this is, from SLURM/torchrun/Lightning's variables
+    world, rank = top.world, top.rank  # global: the sampler deals over nodes x ranks per node
     launcher = "LOCAL_RANK" not in os.environ  # Lightning sets it in the per-rank processes it starts
-    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
     if not launcher:
         from pipeline.lifecycle import die_with_parent
 
         die_with_parent()  # a rank whose launcher died must not hang on in a collective
-    if use_gpu and launcher:  # before any rank touches a GPU
+    if use_gpu and launcher and not top.external:  # before any rank touches a GPU (srun/torchrun: the scheduler's)
         from pipeline.preflight import check_gpus_free
 
         check_gpus_free(list(devs), need_gib=16)
@@ -311,7 +321,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
                                  ValidateAtEnd, resumable_csv_logger, save_final, stopped_by_user)
     from stages.train_task import DrafterTask
 
-    strategy = ddp_strategy(cfg, use_gpu) if world > 1 else "auto"
+    strategy = ddp_strategy(cfg, use_gpu, multi_node=top.num_nodes > 1) if world > 1 else "auto"
     layer_ids, head = list(attrs["layer_ids"]), st.frozen_head_path(store_path)  # matched by _open_store
     task_cfg = cfg
     if cfg.drafter.init_from and resume:  # a resumed run's weights come from its checkpoint
@@ -340,6 +350,14 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
                   f"epochs were planned with it; the config says {cfg.train.length_group_factor}); a new run "
                   "takes the new value", file=sys.stderr, flush=True)
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
+    callbacks = []
+    if top.num_nodes > 1:  # every rank's config, store, data plan and checkpoint compared once the group forms
+        from stages.train_nodes import nodes_check, store_facts
+
+        facts = {"config": dump_config(cfg), "store": store_facts(store_path, attrs, reader),
+                 "plan": {"stream_epochs": sorted(stream_epochs), "batches": len(sampler), "steps": planned},
+                 "resume": resume_state and {"step": resume_state["global_step"], "loader": resume_state["loader"]}}
+        callbacks.append(nodes_check(top, facts, run_dir, cfg.train.collective_timeout_s))
     run_dir.mkdir(parents=True, exist_ok=True)
     from pipeline.lifecycle import log_process_output
 
@@ -347,7 +365,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     # build and initialise the drafter on this rank's GPU (initialising ~1.7B parameters on the CPU took ~20 s);
     # seeded, so a run's initial weights follow from train.seed (DDP then broadcasts rank 0's to all ranks)
     torch.manual_seed(cfg.train.seed)
-    with torch.device(f"cuda:{devs[rank]}" if use_gpu else "cpu"):
+    with torch.device(f"cuda:{devs[top.local]}" if use_gpu else "cpu"):
         task = DrafterTask(task_cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
                            target_meta=attrs["target"], store_path=store_path)
 
@@ -373,7 +391,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
-        callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC(), BestCheckpoint(ckpt_dir)],
+        callbacks=[*callbacks, checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC(),
+                   BestCheckpoint(ckpt_dir)], num_nodes=top.num_nodes,
         # a resume on another number of ranks makes its first epoch another length than the next ones: only then
         # is the loader asked for its length every epoch (each ask is a collective). Validation counts batches
         # across epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
@@ -384,6 +403,10 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,
         plugins=[_streaming_checkpoint_io()],
     )
+    if (trainer.global_rank, trainer.world_size) != (rank, world):  # our reading of the environment is Lightning's
+        raise TrainError(f"{top.where}: Lightning sees global rank {trainer.global_rank} of {trainer.world_size}, "
+                         f"dflash read {rank} of {world} from the {top.env} environment; report this with the "
+                         "launcher's variables (RANK, LOCAL_RANK, NODE_RANK, SLURM_*)")
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "command.txt").write_text(command + "\n")
@@ -393,6 +416,13 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
     except BaseException as e:  # Lightning turns SIGTERM and Ctrl-C into SystemExit
         if not stopped_by_user(e, trainer):
+            if callbacks:  # across nodes: a group that never formed, or a node that went away
+                from stages.train_nodes import exit_lost_peer, lost_peer, rendezvous_error
+
+                if not callbacks[0].passed and lost_peer(e):
+                    raise rendezvous_error(top, e, cfg.train.rendezvous_timeout_s) from None
+                if lost_peer(e):
+                    exit_lost_peer(e, trainer, top, ckpt_dir, resume_command(command))
             raise
         if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # a collective or loader the stop cut short
             print(f"train: {type(e).__name__} while stopping after {StopRequest.reason} (a consequence of the "
