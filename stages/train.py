@@ -126,7 +126,9 @@ def _checkpoint_state(path: Path) -> dict:
     FitLoop.setup_data only, and a train loader already set up by then (as Lightning's
     `estimated_stepping_batches` does from configure_optimizers) never got it: a resumed epoch restarted at
     batch 0 (issue 23). Memory-mapped: the weights are not read."""
-    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    from pipeline.ckpt_io import load_training_checkpoint
+
+    ckpt = load_training_checkpoint(path, mmap=True)  # weights_only: never runs code from the file
     loop = ckpt.get("loops", {}).get("fit_loop", {})
     loaders = loop.get("state_dict", {}).get("combined_loader") or [None]
     return {"loader": loaders[0], "global_step": int(ckpt.get("global_step", 0)),
@@ -210,10 +212,13 @@ def _streaming_checkpoint_io():
 
     The default serialises the whole checkpoint into memory first and then copies that buffer once more
     (2 x 21 GB of host memory per rank at the 27B shape, on a node that also runs extraction); this writes
-    as it serialises, and the rename keeps the file all-or-nothing as before."""
+    as it serialises, and the rename keeps the file all-or-nothing as before. Loading (`--resume`) goes through
+    pipeline.ckpt_io: weights_only with dflash's allow-list, so a planted last.ckpt cannot run code."""
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    class StreamingCheckpointIO(TorchCheckpointIO):
+    from pipeline.ckpt_io import safe_checkpoint_io_class
+
+    class StreamingCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: weights_only, always
         def save_checkpoint(self, checkpoint, path, storage_options=None):
             if not st.is_local(str(path)):
                 return super().save_checkpoint(checkpoint, path, storage_options)
@@ -390,7 +395,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     head_check()  # the frozen head's checksum, overlapped with the set-up above
     StopRequest.install()
     try:
-        trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
+        trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None,
+                    weights_only=True)
     except BaseException as e:  # Lightning turns SIGTERM and Ctrl-C into SystemExit
         if not stopped_by_user(e, trainer):
             raise
