@@ -65,9 +65,14 @@ def check_store_matches(cfg: Config, attrs: dict) -> list[int]:
                      f"data.enable_thinking is {cfg.data.enable_thinking} (the drafter must be served the way it "
                      "was trained)")
     if diffs:
-        raise TrainError("the store does not match this config:\n  " + "\n  ".join(diffs)
-                         + "\nPoint --store at a store made for this target/config, or fix the config.")
+        raise store_mismatch(diffs)
     return expected_ids
+
+
+def store_mismatch(diffs: list[str], what: str = "this config") -> TrainError:
+    """The one refusal of a store made for another target or config (train and eval)."""
+    return TrainError(f"the store does not match {what}:\n  " + "\n  ".join(diffs)
+                      + "\nPoint --store at a store made for this target/config, or fix the config.")
 
 
 def _sources(reader) -> tuple:

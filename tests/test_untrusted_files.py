@@ -56,6 +56,13 @@ def _one_error_line(r) -> str:
     return lines[-1]
 
 
+def _error(r) -> str:
+    """The CLI's error message (train's store refusal spans lines: one per difference)."""
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "error: " in r.stderr, r.stderr[-3000:]
+    return r.stderr[r.stderr.rindex("error: "):]
+
+
 def test_loader_refuses_a_pickle_that_runs_code_and_reads_real_checkpoints(trained, tmp_path):
     _, run = trained
     marker = tmp_path / "marker"
@@ -119,3 +126,26 @@ def test_export_eval_and_resume_refuse_a_planted_checkpoint(trained, tmp_path):
     r = dflash("export", str(planted_run), str(tmp_path / "out2"))
     assert "best-step2.ckpt" in r.stdout, r.stdout
     assert not marker.exists()
+
+
+def test_eval_refuses_a_store_of_another_target_as_train_does(trained, tmp_path):
+    store, run = trained
+    other = str(tmp_path / "other.zarr")  # the same tiny weights, extracted as another target
+    dflash("extract", "--config", TINY, "--shards", "1", "--store", other, "--set", "data.max_samples=16",
+           "--set", "target.name=other-target")
+    r = dflash("train", "--config", TINY, "--store", other, "--set", f"train.run_dir={tmp_path / 't'}", check=False)
+    train_says = _error(r)
+    assert train_says.startswith("error: the store does not match this config")
+    want = "target: store was extracted from 'other-target', config says 'dflash-tiny-target'"
+    assert want in train_says
+    for drafter in (run / "export", run / "checkpoints" / "last.ckpt"):  # the run's config / the embedded one
+        r = dflash("eval", str(drafter), "--store", other, "--out", str(tmp_path / "ev"), check=False)
+        assert _error(r) == train_says, r.stderr[-2000:]
+    assert not (tmp_path / "ev").exists()  # refused before anything is written
+    alone = tmp_path / "alone"  # an export outside its run: what it recorded of its target is compared
+    os.system(f"cp -r {run / 'export'} {alone}")
+    r = dflash("eval", str(alone), "--store", other, "--out", str(tmp_path / "ev"), check=False)
+    assert _error(r).startswith(f"error: the store does not match the drafter {alone}")
+    assert "store was extracted from 'other-target', the drafter was trained for 'dflash-tiny-target'" in r.stderr
+    r = dflash("eval", str(alone), "--store", store, "--max-samples", "2", "--out", str(tmp_path / "ev"))
+    assert "eval: offline tau" in r.stderr
