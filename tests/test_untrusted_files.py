@@ -149,3 +149,75 @@ def test_eval_refuses_a_store_of_another_target_as_train_does(trained, tmp_path)
     assert "store was extracted from 'other-target', the drafter was trained for 'dflash-tiny-target'" in r.stderr
     r = dflash("eval", str(alone), "--store", store, "--max-samples", "2", "--out", str(tmp_path / "ev"))
     assert "eval: offline tau" in r.stderr
+
+
+def _listed(d: Path) -> dict[str, str]:
+    return {name: digest for digest, _, name in (x.partition("  ") for x in (d / "checksums.sha256").read_text().splitlines())}
+
+
+def test_export_replaces_an_earlier_export_whole_and_refuses_a_foreign_directory(trained, tmp_path):
+    import hashlib
+
+    _, run = trained
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    line = _one_error_line(dflash("export", ckpt, str(foreign), check=False))
+    assert f"{foreign} is not empty and does not hold a DFlash export" in line
+    assert [f.name for f in foreign.iterdir()] == ["notes.txt"] and (foreign / "notes.txt").read_text() == "keep me"
+    out = tmp_path / "out"
+    dflash("export", ckpt, str(out))
+    (out / "modeling_dflash2.py").write_text("# another export's modeling file\n")  # stale, from an earlier export
+    (out / "config.json").write_text((out / "config.json").read_text().replace('"qwen3"', '"stale"'))
+    dflash("export", ckpt, str(out), "--sglang")
+    names = sorted(f.name for f in out.iterdir())
+    assert "modeling_dflash2.py" not in names and '"stale"' not in (out / "config.json").read_text()
+    assert "auto_map" not in (out / "config.json").read_text()  # the second export's, whole
+    listed = _listed(out)
+    assert sorted(listed) == [n for n in names if n != "checksums.sha256"]
+    for name, digest in listed.items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []  # no temporary directory left
+
+
+def _flip(f: Path, at: int) -> None:
+    b = bytearray(f.read_bytes())
+    b[at] ^= 0x01
+    f.write_bytes(bytes(b))
+
+
+def test_damaged_weights_are_refused_by_eval_and_init_from_before_anything_is_written(trained, tmp_path):
+    from pipeline.export import ExportError, load_exported, verify_checksums
+
+    store, run = trained
+    flipped = tmp_path / "flipped"
+    os.system(f"cp -r {run / 'export'} {flipped}")
+    weights = flipped / "model.safetensors"
+    _flip(weights, weights.stat().st_size - 100)  # a weight's byte: the file still parses
+    with pytest.raises(ExportError, match="model.safetensors is damaged"):
+        load_exported(flipped)
+    r = dflash("eval", str(flipped), "--store", store, "--out", str(tmp_path / "ev"), check=False)
+    assert "model.safetensors is damaged: its sha256 differs" in _one_error_line(r)
+    assert not (tmp_path / "ev").exists()
+
+    def init_from(export: Path, run_dir: Path):
+        return dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run_dir}", "--set",
+                      "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=1",
+                      "--no-export", "--init-from", str(export), check=False)
+
+    line = _one_error_line(init_from(flipped, tmp_path / "r1"))
+    assert line.startswith("error: --init-from: ") and "model.safetensors is damaged" in line
+    assert not (tmp_path / "r1").exists()
+    # a truncated weights file in an export without checksums (an older or a published one)
+    torn = tmp_path / "torn"
+    os.system(f"cp -r {run / 'export'} {torn}")
+    (torn / "checksums.sha256").unlink()
+    assert verify_checksums(torn) is False  # nothing to verify: still accepted as before
+    (torn / "model.safetensors").write_bytes((torn / "model.safetensors").read_bytes()[:50_000])
+    line = _one_error_line(init_from(torn, tmp_path / "r2"))
+    assert "model.safetensors is not a readable safetensors file" in line and "truncated or damaged" in line
+    assert not (tmp_path / "r2").exists()
+    # an intact export still starts a run
+    init_from(run / "export", tmp_path / "r3")
+    assert (tmp_path / "r3" / "checkpoints" / "last.ckpt").exists()
