@@ -231,8 +231,12 @@ def _streaming_checkpoint_io():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
             try:
-                torch.save(checkpoint, tmp)
+                with open(tmp, "wb") as f:  # a file object: a full disk raises OSError(ENOSPC), not a bare
+                    torch.save(checkpoint, f)  # RuntimeError of torch's zip writer (a path would)
                 os.replace(tmp, path)
+            except OSError as e:
+                e.filename = e.filename or str(path)  # which file the full disk refused (pipeline.preflight)
+                raise
             finally:
                 tmp.unlink(missing_ok=True)
 
@@ -268,6 +272,21 @@ def ddp_strategy(cfg: Config, use_gpu: bool):
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
               command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False,
               init_from: Optional[str] = None) -> int:
+    """`dflash train`; a disk that fills (a checkpoint, the logs, the export) ends it with one line naming the
+    disk and the resume command (pipeline.preflight.DiskFull, exit 2), not Lightning's traceback."""
+    from pipeline.preflight import DiskFull, disk_full_error, disk_full_message
+
+    try:
+        return _train(cfg, store, gpus, devices, resume, command, export, rebuild_compile_cache, follow, init_from)
+    except BaseException as e:
+        full = disk_full_error(e)
+        if full is None:
+            raise
+        raise DiskFull(disk_full_message(full, cfg.train.run_dir, resume_command(command))) from None
+
+
+def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
+           command: str, export: bool, rebuild_compile_cache: bool, follow: bool, init_from: Optional[str]) -> int:
     store_path = store or cfg.store.path
     follow = follow or os.environ.get("DFLASH_TRAIN_FOLLOW") == "1"  # set for its ranks by a following launcher
     run_dir = Path(cfg.train.run_dir)
