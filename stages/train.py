@@ -337,7 +337,8 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
 
     from stages.best_checkpoint import BestCheckpoint
     from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC, StopRequest,
-                                 ValidateAtEnd, resumable_csv_logger, save_final, stopped_by_user)
+                                 ValidateAtEnd, ValidateSkippedOnResume, resumable_csv_logger, save_final,
+                                 stopped_by_user)
     from stages.train_task import DrafterTask
 
     strategy = ddp_strategy(cfg, use_gpu) if world > 1 else "auto"
@@ -402,7 +403,8 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
-        callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC(), BestCheckpoint(ckpt_dir)],
+        callbacks=[checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC(), BestCheckpoint(ckpt_dir),
+                   ValidateSkippedOnResume(run_dir, resume_state["logged_through"] if resume_state else None)],
         # a resume on another number of ranks makes its first epoch another length than the next ones: only then
         # is the loader asked for its length every epoch (each ask is a collective). Validation counts batches
         # across epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
