@@ -69,3 +69,38 @@ def test_a_validation_the_kill_skipped_runs_on_resume(tmp_path):
     for k, v in a["state_dict"].items():
         assert torch.equal(v, b["state_dict"][k]), k
     assert a["dflash"]["val"] == b["dflash"]["val"]
+
+
+@pytest.mark.slow
+def test_dflash_run_rerun_after_extraction_finished_gives_the_uninterrupted_result(tmp_path):
+    """`dflash run` stopped after extraction finished and before training's first checkpoint: the rerun finds the
+    store complete, yet trains the stream epoch the uninterrupted run trained (it began following)."""
+    store = tmp_path / "store.zarr"
+
+    def run(run_dir):
+        return subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--store", str(store), "--set",
+                               f"train.run_dir={run_dir}", "--set", "data.max_samples=64", "--set",
+                               "extract.token_budget=512", "--set", "train.epochs=1", "--set", "train.num_workers=0",
+                               "--set", "train.batch_size=8", "--set", "train.follow_buffer=8", "--set",
+                               "train.max_steps=4"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
+
+    r = run(tmp_path / "ref")  # uninterrupted: training started while the store was being written
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "ref" / "logs" / "train-follows").exists()
+    # the interrupted run: its training had started following (the marker) and was stopped before any
+    # checkpoint; extraction had finished. The rerun:
+    again = tmp_path / "again"
+    (again / "logs").mkdir(parents=True)
+    (again / "logs" / "train-follows").write_text((tmp_path / "ref" / "logs" / "train-follows").read_text())
+    r = run(again)
+    assert r.returncode == 0 and "(already complete)" in r.stderr, r.stderr[-3000:]
+    assert "--follow" in (again / "command.txt").read_text()
+    a = load_training_checkpoint(tmp_path / "ref" / "checkpoints" / "last.ckpt")
+    b = load_training_checkpoint(again / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == 4
+    for k, v in a["state_dict"].items():
+        assert torch.equal(v, b["state_dict"][k]), k
+    # a new run on the finished store (no marker) trains a shuffled first epoch, as before
+    fresh = tmp_path / "fresh"
+    r = run(fresh)
+    assert r.returncode == 0 and "--follow" not in (fresh / "command.txt").read_text()
