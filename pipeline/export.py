@@ -14,11 +14,20 @@
       drafter.py, masks.py, target_cache.py   verbatim copies of pipeline/drafter.py, masks.py (the same math)
                            and target_cache.py (spec_generate's target cache rollback, hybrid targets included)
       dflash_meta.json     optional provenance (`extra_metadata`), read by nobody but us
+      checksums.sha256     the sha256 of every other file, in `sha256sum -c` format (`CHECKSUMS`); `load_exported`
+                           (eval) and `--init-from` verify it when present (`verify_checksums`): a flipped byte
+                           is refused with the file's name
+
+The directory is written whole or not at all: into a temporary directory beside OUT, renamed into place. An OUT
+that already holds an export (its config.json names a DFlash architecture) is replaced, so no stale file of
+the earlier export (e.g. another arch's modeling file) survives; a non-empty OUT that is not an export is
+refused (`ExportError`) before anything is written.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -27,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter import DFlashDrafter, DrafterArch
+from .errors import UserError
 from .target import DTYPES
 
 _SRC = Path(__file__).resolve().parent
@@ -114,7 +124,88 @@ def hf_config_dict(
     return cfg
 
 
+CHECKSUMS = "checksums.sha256"
+_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+class ExportError(UserError, ValueError):
+    """An export directory that cannot be written (a non-empty OUT that is not an export) or that fails its
+    checksums (a damaged file); the message names the directory or the file and the fix."""
+
+
+def _is_export(d: Path) -> bool:
+    try:
+        return any(a in _ARCHITECTURES for a in json.loads((d / "config.json").read_text()).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def write_checksums(d: Path) -> None:
+    from .checkpoint import sha256_file
+
+    names = sorted(f.name for f in Path(d).iterdir() if f.is_file() and f.name != CHECKSUMS)
+    (Path(d) / CHECKSUMS).write_text("".join(f"{sha256_file(Path(d) / n)}  {n}\n" for n in names))
+
+
+def verify_checksums(d: str | Path, what: str = "") -> bool:
+    """Check every file listed in d/checksums.sha256 (False when the export has none: an older or foreign one);
+    raise ExportError naming the first file that is missing or differs."""
+    from .checkpoint import sha256_file
+
+    d = Path(d)
+    listed = d / CHECKSUMS
+    if not listed.is_file():
+        return False
+    for n, line in enumerate(listed.read_text().splitlines(), 1):
+        digest, _, name = line.partition("  ")
+        if not name or "/" in name or len(digest) != 64:
+            raise ExportError(f"{what}{listed}:{n}: not a '<sha256>  <file>' line; re-export the drafter")
+        f = d / name
+        if not f.is_file():
+            raise ExportError(f"{what}{f} is missing (listed in {listed}); the export is incomplete: copy it again")
+        if sha256_file(f) != digest:
+            raise ExportError(f"{what}{f} is damaged: its sha256 differs from {listed}'s; copy the export again "
+                              f"or re-export it (`dflash export RUN DIR`); edited on purpose: remove {listed}")
+    return True
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Put the finished directory `tmp` at `out`, replacing an earlier export there (never a half-written one)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def export_drafter(
+    drafter: DFlashDrafter,
+    arch: Optional[DrafterArch],
+    out_dir: str | Path,
+    **kw,
+) -> Path:
+    """Write the exported drafter directory (see `_write_export` for the arguments) whole, with its checksums;
+    returns its path. See the module contract for an OUT that already exists."""
+    out = Path(out_dir)
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not _is_export(out)):
+        raise ExportError(f"{out} is not empty and does not hold a DFlash export: refusing to mix the export with "
+                          "its files; pass a new or empty directory (or an earlier export, which is replaced)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_export(drafter, arch, tmp, **kw)
+        write_checksums(tmp)
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_export(
     drafter: DFlashDrafter,
     arch: Optional[DrafterArch],
     out_dir: str | Path,
@@ -126,7 +217,7 @@ def export_drafter(
     for_sglang: bool = False,
     extra_metadata: Optional[dict] = None,
 ) -> Path:
-    """Write the exported drafter directory; returns its path.
+    """Write the exported drafter directory into out_dir (a fresh temporary one: export_drafter).
 
     arch: the drafter's (None: drafter.arch); the layer ids, mask token and block size come from it.
     num_target_layers and vocab_size describe the target (its layer count and vocabulary). dtype: the saved
@@ -166,6 +257,7 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     """Load an exported directory into our own module: (DFlashDrafter, DrafterArch, meta: the config dict,
     plus dflash_meta.json's content under "dflash_meta" when present). Keys must match the contract exactly."""
     path = Path(path)
+    verify_checksums(path)
     meta = json.loads((path / "config.json").read_text())
     if "partial_rotary_factor" in meta:
         raise ValueError(f"{path}/config.json has partial_rotary_factor: the drafter uses full rotary embeddings")

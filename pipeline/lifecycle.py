@@ -64,12 +64,26 @@ class Tee:
         self.stream, self.file = stream, open(path, "a", buffering=1)
 
     def write(self, text: str) -> int:
-        self.file.write(text)
+        self._to_file("write", text)
         return self.stream.write(text)
 
     def flush(self) -> None:
-        self.file.flush()
+        self._to_file("flush")
         self.stream.flush()
+
+    def _to_file(self, op: str, *args) -> None:
+        """The log file is a copy: a write it refuses (a full disk) must not stop the message reaching the
+        terminal, nor turn the exit into Python's 120 (a failed flush at shutdown). The file is dropped then."""
+        if self.file is None:
+            return
+        try:
+            getattr(self.file, op)(*args)
+        except (OSError, ValueError):
+            f, self.file = self.file, None
+            try:
+                f.close()
+            except OSError:
+                pass
 
     def isatty(self) -> bool:
         return self.stream.isatty()

@@ -6,6 +6,9 @@ Contract:
   with the processes holding it. Without nvidia-smi (CPU machines) it checks nothing.
 - `disk_warning(path, bytes_needed)` returns a warning line when the filesystem of a local store has less
   free space than the estimate, else None.
+- `disk_full_error(exc)` is the ENOSPC/EDQUOT OSError anywhere in an exception's chain (Lightning wraps and
+  re-raises), else None; `disk_full_message(err, path, resume)` is the one line `DiskFull` carries: the file
+  refused, its disk (mount point, free space) and the command that resumes once space is freed.
 - `usable_cores()` is the number of cores this process may run on (its CPU affinity, which a scheduler's
   cgroup sets), not the machine's count.
 - `compile_cache_dir(root, key_parts)` is a directory keyed by what produced the artifacts (torch version,
@@ -15,6 +18,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -118,6 +122,39 @@ def disk_warning(path: str, bytes_needed: float) -> Optional[str]:
                 f"({(bytes_needed - free) / 1e9:.1f} GB missing); extraction stops cleanly when the disk fills and "
                 "resumes once space is freed")
     return None
+
+
+class DiskFull(UserError, OSError):
+    """A write failed for lack of space (or quota); the message names the disk and the resume command."""
+
+
+def disk_full_error(exc: BaseException) -> Optional[OSError]:
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        stack += [e.__cause__, e.__context__]
+    return None
+
+
+def _mount_point(path: Path) -> Path:
+    p = Path(os.path.realpath(path))
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def disk_full_message(err: OSError, path: str, resume: str) -> str:
+    where = Path(str(err.filename or path))
+    probe = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
+    mount, free = _mount_point(probe), shutil.disk_usage(probe).free
+    return (f"the disk holding {where} is full ({err.strerror or 'No space left on device'}; {mount} has "
+            f"{free / 1e9:.2f} GB free). Checkpoints already written are intact (each is written to a temporary "
+            f"file and renamed into place). Free space on {mount}, then resume with: {resume}")
 
 
 def compile_cache_root() -> Path:

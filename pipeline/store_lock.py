@@ -8,7 +8,10 @@ The protocol (pipeline/store.py's docstring gives the user-level view):
   and fails when the path exists, on a local disk and on NFS alike. When the lock exists its holder is
   - live: the acquirer is refused at once (`ShardLockedError` names host, pids, command, heartbeat age);
   - stale: on this machine none of its pids runs any more (kill -9, a crash; a reboot changes the boot id);
-    on another machine, its heartbeat is older than its ttl. A stale lock is taken over without manual
+    on another machine, its heartbeat is older than its ttl. A pid that runs but is not the holder (reused
+    after the holder died) is told apart by its start time: the one recorded beside the pid, or, for a pid
+    recorded without one (a hand-made or older record), the lock's own `started` time (a process that started
+    after the lock was taken cannot be its holder). A stale lock is taken over without manual
     cleanup: the taker creates `LOCK.takeover-TOKEN` exclusively (one process wins per stale token),
     re-reads the lock, removes it only if it still carries that token, drops the claim and acquires anew.
 - Holding: a daemon thread rewrites the record every ttl/6 s with a fresh heartbeat (atomic replace), after
@@ -109,21 +112,66 @@ def pid_alive(pid: int, start: Optional[int] = None) -> bool:
         return True
 
 
+def _pids(rec: dict) -> list[tuple[int, Optional[int]]]:
+    """(pid, start time or None) of the record's holders; entries that are not a pid are left out."""
+    out = []
+    for p in rec.get("pids") or []:
+        pid, start = (p[0], p[1] if len(p) > 1 else None) if isinstance(p, (list, tuple)) and p else (p, None)
+        try:
+            out.append((int(pid), None if start is None else int(start)))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _started_at(pid: int) -> Optional[float]:
+    """The unix time process `pid` started (Linux: boot time + its start ticks), or None."""
+    ticks = _start_time(pid)
+    btime = next((line.split()[1] for line in _read_text("/proc/stat").splitlines() if line.startswith("btime ")), None)
+    if ticks is None or btime is None:
+        return None
+    return int(btime) + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _lock_started(rec: dict) -> Optional[float]:
+    try:
+        return datetime.fromisoformat(str(rec["started"])).timestamp()
+    except (KeyError, ValueError):
+        return None
+
+
+def holder_alive(rec: dict, pid: int, start: Optional[int]) -> bool:
+    """Whether `pid` of this machine's lock record still runs as the holder (see the module contract)."""
+    if start is not None or not pid_alive(pid):
+        return pid_alive(pid, start)
+    began, taken = _started_at(pid), _lock_started(rec)
+    return began is None or taken is None or began <= taken + 2.0  # 2 s: boot time is in whole seconds
+
+
 def is_live(rec: dict, now: Optional[float] = None) -> bool:
     if rec.get("machine") == machine_id():
-        return any(pid_alive(int(pid), start) for pid, start in rec.get("pids", []))
+        return any(holder_alive(rec, pid, start) for pid, start in _pids(rec))
     return (now or time.time()) - float(rec.get("heartbeat", 0)) <= float(rec.get("ttl", DEFAULT_TTL))
 
 
+def _runs_now(pid: int) -> str:
+    args = _read_text(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+    return f"pid {pid} runs `{args[:120]}` now" if args else ""
+
+
 def describe(rec: dict, store: str, index: int) -> str:
-    pids = ", ".join(str(p) for p, _ in rec.get("pids", [])) or "?"
+    pids = ", ".join(str(p) for p, _ in _pids(rec)) or "?"
     age = time.time() - float(rec.get("heartbeat", 0))
+    here = rec.get("machine") == machine_id()
+    now = "; ".join(filter(None, (_runs_now(p) for p, _ in _pids(rec)))) if here else ""
     return (f"shard {index} of {store} is being written by another process: pid {pids} on host "
             f"{rec.get('host', '?')} (`{rec.get('command') or '?'}`, started {rec.get('started', '?')}, "
-            f"last heartbeat {age:.0f} s ago). Two writers of one shard would corrupt it, so this run stops. "
-            f"Wait for that run to finish (`dflash status {store}` shows its progress) or stop it, then rerun "
-            f"the same command; a lock left by a killed process is taken over automatically (after "
-            f"{float(rec.get('ttl', DEFAULT_TTL)):.0f} s without a heartbeat when it was on another host)")
+            f"last heartbeat {age:.0f} s ago{'; ' + now if now else ''}). Two writers of one shard would corrupt "
+            f"it, so this run stops. The lock is {lock_path(store, index)}. Wait for that run to finish "
+            f"(`dflash status {store}` shows its progress) or stop it, then rerun the same command; a lock left by "
+            f"a killed process is taken over automatically (after {float(rec.get('ttl', DEFAULT_TTL)):.0f} s "
+            f"without a heartbeat when it was on another host). If that pid is not a dflash run writing this store "
+            f"(reused by an unrelated process), remove the lock file and rerun")
 
 
 # ----------------------------------------------------------------------------------------------------------

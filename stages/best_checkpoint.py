@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 import lightning as L
 
 from pipeline.config import ConfigError
@@ -41,7 +39,9 @@ def best_name(step: int) -> str:
 
 def checkpoint_info(path: Path) -> dict:
     """{"step", "val"} of a dflash checkpoint (memory-mapped: the weights are not read). `val` may be {}."""
-    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    from pipeline.ckpt_io import load_training_checkpoint
+
+    ckpt = load_training_checkpoint(path, mmap=True)  # weights_only: never runs code from the file
     meta = ckpt.get("dflash") or {}
     return {"step": int(meta.get("step", ckpt.get("global_step", 0))), "val": dict(meta.get("val") or {})}
 

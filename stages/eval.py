@@ -67,6 +67,7 @@ class DrafterSource:
     config: Optional[dict]  # the training config (checkpoints carry it)
     encoding: Optional[str]  # the store's feature encoding (checkpoints carry it)
     origin: Optional[dict] = None  # which checkpoint: {checkpoint, step, selected: best|last|step, val_tau}
+    target: Optional[dict] = None  # what an export records of its target: {name, vocab_size}
 
 
 def describe_origin(src: DrafterSource) -> str:
@@ -96,7 +97,8 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
         extra = meta.get("dflash_meta") or {}
         run_dir = p.parent if _looks_like_run(p.parent) else None
         origin = {k: extra[k] for k in ("checkpoint", "step", "selected", "val_tau") if k in extra}
-        return drafter, DrafterSource(str(p), "export", run_dir, extra.get("store"), None, None, origin)
+        target = {"name": extra.get("target"), "vocab_size": meta.get("vocab_size")}
+        return drafter, DrafterSource(str(p), "export", run_dir, extra.get("store"), None, None, origin, target)
     if p.is_file():
         from stages.export import checkpoint_kind, load_checkpoint_drafter
 
@@ -312,6 +314,25 @@ def run_offline(drafter: nn.Module, store_path: str, max_anchors: int, device: t
     return out
 
 
+def check_eval_store(src: DrafterSource, cfg: Config, attrs: dict, known: bool) -> None:
+    """Refuse a store of another target: train's check (stages.train.check_store_matches) against the drafter's
+    config when it is known (--config, the run's, the checkpoint's), else against what the export recorded."""
+    from stages.train import check_store_matches, store_mismatch
+
+    if known:
+        check_store_matches(cfg, attrs)
+        return
+    t, mine = attrs["target"], src.target or {}
+    diffs = []
+    if mine.get("name") and mine["name"] != t["name"]:
+        diffs.append(f"target: store was extracted from {t['name']!r}, the drafter was trained for {mine['name']!r}")
+    if mine.get("vocab_size") is not None and int(mine["vocab_size"]) != int(t["vocab_size"]):
+        diffs.append(f"vocab: the store's target has {t['vocab_size']} tokens, the drafter was exported for "
+                     f"{mine['vocab_size']}")
+    if diffs:
+        raise store_mismatch(diffs, f"the drafter {src.path}")
+
+
 def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:
     if store:
         return store
@@ -330,7 +351,6 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
     cfg, cfg_source = resolve_config(src, config_path, overrides)
     arch = drafter.arch
     out_dir = Path(out) if out else ((src.run_dir / "eval") if src.run_dir else Path("runs/eval"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {
         "drafter": {"path": str(drafter_path), "kind": src.kind, "block_size": arch.block_size,
                     "target_layer_ids": arch.target_layer_ids, "mask_token_id": arch.mask_token_id,
@@ -343,6 +363,8 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
     log(f"eval: evaluating {describe_origin(src)}")
     store_path = _choose_store(store, src, cfg)
     store_attrs = st.read_root_attrs(store_path)
+    if store_attrs is not None:  # before anything is written, the same refusal as train's
+        check_eval_store(src, cfg, store_attrs, known=bool(config_path) or not cfg_source.endswith("(default)"))
     encoding = (store_attrs or {}).get("encoding") or src.encoding or cfg.store.encoding
     if store_attrs is not None:
         log(f"eval: offline on {store_path} (drafter: {src.kind} {drafter_path})")
@@ -393,6 +415,7 @@ def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: li
     if metrics:
         report["training"] = {k: v[-1][1] for k, v in metrics.items() if k.startswith("val/")}
         report["training"]["steps"] = max(s for v in metrics.values() for s, _ in v)
+    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused drafter or store leaves nothing behind
     report["plots"] = write_plots(report, out_dir, metrics)
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"eval: report {out_dir / 'report.json'}; plots " + ", ".join(str(out_dir / p) for p in report["plots"]))

@@ -21,7 +21,9 @@ from pipeline.export import export_drafter
 
 def load_checkpoint_drafter(ckpt_path: str, device: str | torch.device = "cpu") -> tuple[DFlashDrafter, dict]:
     """(drafter in eval mode, the checkpoint's dflash metadata: config, layer ids, target, store)."""
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    from pipeline.ckpt_io import load_training_checkpoint
+
+    ckpt = load_training_checkpoint(ckpt_path)  # weights_only: never runs code from the file
     meta = ckpt.get("dflash")
     if meta is None:
         raise FileNotFoundError(f"{ckpt_path} is not a dflash training checkpoint (no 'dflash' metadata)")

@@ -10,6 +10,8 @@ Contract:
   the target side (hidden size, target layer ids, vocabulary), the drafter side (layers, block size, heads,
   FFN, head_dim, attention layer types and window, mask token, `is_causal`: the attention rule inside the
   block, so a fine-tune never changes it silently) and, for DFlash 2, its extra shape keys.
+  Before that, the export's files are checked (`check_weights_file`): its checksums.sha256 when present (a
+  flipped byte names the file) and model.safetensors' header and length (a truncated or damaged file), one line.
 - Which exports fit which drafter (`drafter.arch`):
     DFlash export   -> dflash:  every weight (strict);
     DFlash export   -> dflash2: the backbone (pipeline.train_step.warm_start: convolutions identity,
@@ -106,9 +108,29 @@ def differences(cfg: Config, attrs: dict, layer_ids: list[int], meta: dict) -> l
     return diffs
 
 
+def check_weights_file(path: str) -> None:
+    """The export's files are intact: its checksums when it has them (pipeline.export.verify_checksums: a flipped
+    byte is named), and model.safetensors readable as safetensors (a truncated or damaged header), else one line."""
+    from safetensors import safe_open
+
+    from pipeline.export import verify_checksums
+
+    verify_checksums(path, what="--init-from: ")
+    f = Path(path) / "model.safetensors"
+    try:
+        with safe_open(str(f), "pt") as fh:  # the header, and that the file covers every tensor it lists
+            for k in fh.keys():
+                fh.get_slice(k).get_shape()
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (no public base)
+        raise ConfigError(f"--init-from {path}: {f} is not a readable safetensors file ({str(e).splitlines()[0]}): "
+                          "truncated or damaged; copy the export again or re-export it (`dflash export RUN DIR`)") from None
+
+
 def check_init_from(cfg: Config, attrs: dict, layer_ids: list[int], path: str) -> None:
-    """Raise a ConfigError naming every difference between the export at `path` and this config and store."""
+    """Raise a ConfigError naming every difference between the export at `path` and this config and store, or
+    a UserError for a damaged weights file."""
     meta = read_export_config(path)
+    check_weights_file(path)
     diffs = differences(cfg, attrs, layer_ids, meta)
     if diffs:
         raise ConfigError(f"--init-from {path} does not fit this config/store:\n  " + "\n  ".join(diffs))

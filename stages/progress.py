@@ -226,6 +226,45 @@ class ValidateAtEnd(L.Callback):
             trainer.should_stop = True
 
 
+class ValidateSkippedOnResume(L.Callback):
+    """A step checkpoint is written at the end of its batch, before that batch's validation, and Lightning's
+    restart from such a checkpoint takes the validation as done (it fast-forwards past it). A run killed between
+    the two lost that validation: its metrics row, and the step's best-checkpoint candidacy. On resume, when the
+    checkpoint's batch is a validation batch and RUN/logs/metrics.csv has no validation row logged for it (at
+    the checkpoint's last logged step), the resumed run validates first, as the uninterrupted run did, and
+    then trains on. Rank 0 reads the file before the logger rewrites it; every rank follows its decision."""
+
+    def __init__(self, run_dir: Path, logged_through: int | None):
+        self.pending = logged_through is not None and not _val_row_logged(run_dir, logged_through)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not trainer.strategy.broadcast(self.pending, src=0):
+            return
+        loop = trainer.fit_loop.epoch_loop
+        train_one = loop.advance
+
+        def advance(data_fetcher):
+            loop.advance = train_one  # only the first batch of the resumed run is looked at
+            if (loop.restarting and loop.restarted_on_train_batch_end and not loop.val_loop.restarted_mid_evaluation
+                    and loop._should_check_val_fx(data_fetcher)):
+                loop.val_loop.restarting = False  # a fresh validation, not the continuation of one
+                loop._batches_that_stepped -= 1  # on_advance_end counts the checkpoint's batch again
+                return  # on_advance_end runs the validation, as after the batch in the uninterrupted run
+            return train_one(data_fetcher)
+
+        loop.advance = advance
+
+
+def _val_row_logged(run_dir: Path, step: int) -> bool:
+    import csv
+
+    try:
+        with open(Path(run_dir) / "logs" / "metrics.csv", newline="") as f:
+            return any(r.get("step") == str(step) and r.get("val/tau") for r in csv.DictReader(f))
+    except OSError:
+        return False
+
+
 def resumable_csv_logger(run_dir: Path, logged_through: int | None):
     """Lightning's CSVLogger writing RUN/logs/metrics.csv. It deletes an existing file when it starts; for a
     resumed run (`logged_through` = the checkpoint's last logged step) this one keeps the rows up to that step

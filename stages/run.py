@@ -11,7 +11,11 @@ Contract:
   extraction commits and stops, training stops; checkpoints and commits are kept); a second Ctrl-C forces
   both. If this process dies, the children are sent SIGTERM (PR_SET_PDEATHSIG).
 - Resume: the same command. Extraction continues from its commits; training resumes from
-  RUN/checkpoints/last.ckpt when there is one. A store that is already complete is trained on directly.
+  RUN/checkpoints/last.ckpt when there is one. A store that is already complete is trained on directly,
+  except by a rerun of a run whose training began following (RUN/logs/train-follows, written when training is
+  started with --follow) and was stopped before its first checkpoint: that training follows again (the
+  finished store's commit-order stream epoch, which depends only on the store and the seed), so the rerun
+  gives the uninterrupted run's result, not a shuffled first epoch.
 - Failures: a failed extraction stops the training (it could not finish) and the command exits 1 naming it;
   a failed training lets the extraction finish (its store is kept for the next run) and exits 1.
 """
@@ -119,7 +123,11 @@ def run_node(cfg: Config, config_path: Optional[str], overrides: list[str], extr
     resume = (run_dir / "checkpoints" / "last.ckpt").exists()
     complete = _complete(store_path)
     t_cmd = py + ["train", *common] + (["--gpus", ",".join(map(str, tg))] if tg else ["--devices", str(devices or 1)])
-    t_cmd += ([] if complete else ["--follow"]) + (["--resume"] if resume else [])
+    follows = run_dir / "logs" / "train-follows"  # this run's training began on an unfinished store
+    follow = not complete or (not resume and follows.exists())  # resumed: the checkpoint keeps its epochs
+    if follow and not complete:
+        follows.write_text("training started with --follow: a rerun before its first checkpoint follows too\n")
+    t_cmd += (["--follow"] if follow else []) + (["--resume"] if resume else [])
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     say(f"run: extraction on {('GPUs ' + ','.join(map(str, xg))) if xg else 'the CPU'} -> {store_path}"
         f"{' (already complete)' if complete else ''}; training on "

@@ -65,9 +65,14 @@ def check_store_matches(cfg: Config, attrs: dict) -> list[int]:
                      f"data.enable_thinking is {cfg.data.enable_thinking} (the drafter must be served the way it "
                      "was trained)")
     if diffs:
-        raise TrainError("the store does not match this config:\n  " + "\n  ".join(diffs)
-                         + "\nPoint --store at a store made for this target/config, or fix the config.")
+        raise store_mismatch(diffs)
     return expected_ids
+
+
+def store_mismatch(diffs: list[str], what: str = "this config") -> TrainError:
+    """The one refusal of a store made for another target or config (train and eval)."""
+    return TrainError(f"the store does not match {what}:\n  " + "\n  ".join(diffs)
+                      + "\nPoint --store at a store made for this target/config, or fix the config.")
 
 
 def _sources(reader) -> tuple:
@@ -126,7 +131,9 @@ def _checkpoint_state(path: Path) -> dict:
     FitLoop.setup_data only, and a train loader already set up by then (as Lightning's
     `estimated_stepping_batches` does from configure_optimizers) never got it: a resumed epoch restarted at
     batch 0 (issue 23). Memory-mapped: the weights are not read."""
-    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    from pipeline.ckpt_io import load_training_checkpoint
+
+    ckpt = load_training_checkpoint(path, mmap=True)  # weights_only: never runs code from the file
     loop = ckpt.get("loops", {}).get("fit_loop", {})
     loaders = loop.get("state_dict", {}).get("combined_loader") or [None]
     return {"loader": loaders[0], "global_step": int(ckpt.get("global_step", 0)),
@@ -210,10 +217,13 @@ def _streaming_checkpoint_io():
 
     The default serialises the whole checkpoint into memory first and then copies that buffer once more
     (2 x 21 GB of host memory per rank at the 27B shape, on a node that also runs extraction); this writes
-    as it serialises, and the rename keeps the file all-or-nothing as before."""
+    as it serialises, and the rename keeps the file all-or-nothing as before. Loading (`--resume`) goes through
+    pipeline.ckpt_io: weights_only with dflash's allow-list, so a planted last.ckpt cannot run code."""
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    class StreamingCheckpointIO(TorchCheckpointIO):
+    from pipeline.ckpt_io import safe_checkpoint_io_class
+
+    class StreamingCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: weights_only, always
         def save_checkpoint(self, checkpoint, path, storage_options=None):
             if not st.is_local(str(path)):
                 return super().save_checkpoint(checkpoint, path, storage_options)
@@ -221,8 +231,12 @@ def _streaming_checkpoint_io():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
             try:
-                torch.save(checkpoint, tmp)
+                with open(tmp, "wb") as f:  # a file object: a full disk raises OSError(ENOSPC), not a bare
+                    torch.save(checkpoint, f)  # RuntimeError of torch's zip writer (a path would)
                 os.replace(tmp, path)
+            except OSError as e:
+                e.filename = e.filename or str(path)  # which file the full disk refused (pipeline.preflight)
+                raise
             finally:
                 tmp.unlink(missing_ok=True)
 
@@ -263,6 +277,23 @@ def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
 def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
               command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False,
               init_from: Optional[str] = None, num_nodes: Optional[int] = None) -> int:
+    """`dflash train`; a disk that fills (a checkpoint, the logs, the export) ends it with one line naming the
+    disk and the resume command (pipeline.preflight.DiskFull, exit 2), not Lightning's traceback."""
+    from pipeline.preflight import DiskFull, disk_full_error, disk_full_message
+
+    try:
+        return _train(cfg, store, gpus, devices, resume, command, export, rebuild_compile_cache, follow, init_from,
+                      num_nodes)
+    except BaseException as e:
+        full = disk_full_error(e)
+        if full is None:
+            raise
+        raise DiskFull(disk_full_message(full, cfg.train.run_dir, resume_command(command))) from None
+
+
+def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
+           command: str, export: bool, rebuild_compile_cache: bool, follow: bool, init_from: Optional[str],
+           num_nodes: Optional[int]) -> int:
     store_path = store or cfg.store.path
     follow = follow or os.environ.get("DFLASH_TRAIN_FOLLOW") == "1"  # set for its ranks by a following launcher
     run_dir = Path(cfg.train.run_dir)
@@ -318,7 +349,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
 
     from stages.best_checkpoint import BestCheckpoint
     from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC, StopRequest,
-                                 ValidateAtEnd, resumable_csv_logger, save_final, stopped_by_user)
+                                 ValidateAtEnd, ValidateSkippedOnResume, resumable_csv_logger, save_final,
+                                 stopped_by_user)
     from stages.train_task import DrafterTask
 
     strategy = ddp_strategy(cfg, use_gpu, multi_node=top.num_nodes > 1) if world > 1 else "auto"
@@ -392,7 +424,9 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
         callbacks=[*callbacks, checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC(),
-                   BestCheckpoint(ckpt_dir)], num_nodes=top.num_nodes,
+                   BestCheckpoint(ckpt_dir),
+                   ValidateSkippedOnResume(run_dir, resume_state["logged_through"] if resume_state else None)],
+        num_nodes=top.num_nodes,
         # a resume on another number of ranks makes its first epoch another length than the next ones: only then
         # is the loader asked for its length every epoch (each ask is a collective). Validation counts batches
         # across epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
@@ -413,7 +447,8 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
     head_check()  # the frozen head's checksum, overlapped with the set-up above
     StopRequest.install()
     try:
-        trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None)
+        trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None,
+                    weights_only=True)
     except BaseException as e:  # Lightning turns SIGTERM and Ctrl-C into SystemExit
         if not stopped_by_user(e, trainer):
             if callbacks:  # across nodes: a group that never formed, or a node that went away
