@@ -94,15 +94,20 @@ def flops_per_sample(config: str, layers: list[int], vocab: int, seq: int) -> fl
     return useful_flops(arch, seq, anchors.shape[1] * d.block_size, int((blocks.labels >= 0).sum()), vocab, vis)
 
 
+def train_command(config: str, store: Path, gpus: str, sets: list[str], cuda: bool) -> list[str]:
+    """The `dflash train` command of one run: on CUDA these GPUs, without it (a smoke run of this script) the same
+    number of CPU ranks over gloo; every --set on both (issue 31: the CUDA branch once dropped them all)."""
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", config, "--store", str(store), "--no-export"]
+    cmd += ["--gpus", gpus] if cuda else ["--devices", str(len(gpus.split(",")))]
+    return cmd + [a for s in sets for a in ("--set", s)]
+
+
 def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str,
         extra: tuple = ()) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [*extra, "target.name=bench", f"target.layer_ids={layers}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.epochs=1000",
             "train.log_every=1", f"train.lr={lr}", "train.checkpoint_every=100000", "train.val_every=100000"]
-    cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", config,
-           "--store", str(store), "--no-export"]
-    # on a machine without CUDA (a smoke run of this script) the same number of CPU ranks over gloo
-    cmd += ["--gpus", gpus] if torch.cuda.is_available() else ["--devices", str(len(gpus.split(",")))] + [a for s in sets for a in ("--set", s)]
+    cmd = train_command(config, store, gpus, sets, torch.cuda.is_available())
     t0 = time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                          env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache)})
@@ -126,7 +131,7 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
             "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", default="/tmp/dflash-e2e")
     ap.add_argument("--samples", type=int, default=24)
@@ -198,7 +203,8 @@ def main() -> None:
           "run (goal >= 95%)")
     if a.out:
         Path(a.out).write_text(json.dumps({**res, "useful_tflop_per_sample": flops / 1e12}, indent=1))
+    return 1 if any(r["rc"] for r in res.values()) else 0  # a failed run fails the bench (and its smoke test)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
