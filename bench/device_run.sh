@@ -13,6 +13,7 @@
 #   bash bench/device_run.sh long                                            (issue 19.6: 2K-16K samples, ~4 min)
 #   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
 #   bash bench/device_run.sh startup e2emfu ddpopts                          (issue 22, in this order: 2 GPUs)
+#   bash bench/device_run.sh startup e2emfu                                  (issue 31: start-up phases, checkpoint stall, MFU)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
 #   FT_SEEDS=8 FT_DELAY=3 bash bench/device_run.sh followtau                 (issue 17's tau pairs on host CPUs, 800 samples;
 #        the full 3,236 with a 3 s delay per batch did not finish a pair in 8 min)

@@ -130,3 +130,5 @@ def test_part_runs_at_its_tiny_size_on_the_cpu(name, tmp_path):
             outs = [s.argv[i + 1] for i, a in enumerate(s.argv[:-1]) if a == "--out" and s.argv[i + 1].endswith(".json")]
             for o in outs:
                 assert Path(o).is_file(), f"{n}: {o} not written\n{r.stdout[-3000:]}"
+            for _src, dst in s.copy:  # a study's rows reached OUT
+                assert Path(dst).exists(), f"{n}: {dst} not copied\n{r.stdout[-3000:]}"

@@ -143,3 +143,18 @@ def test_the_last_link_and_the_removal_of_the_replaced_file_follow_the_write(tmp
     ran = []
     io.after_write(lambda: ran.append(1))  # nothing in flight: at once
     assert ran == [1]
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_go_to_pinned_buffers_reused_by_the_next_save():
+    """On CUDA the host copy lands in pinned memory (a fast device-to-host copy) and the next save reuses it."""
+    from stages.train_ckpt_io import HostCopy
+
+    copy = HostCopy()
+    w = torch.randn(1024, 1024, device="cuda")
+    first = copy({"state_dict": {"w": w}, "step": 1})
+    assert first["state_dict"]["w"].is_pinned() and torch.equal(first["state_dict"]["w"], w.cpu())
+    buf = first["state_dict"]["w"].data_ptr()
+    w.add_(1.0)
+    second = copy({"state_dict": {"w": w}, "step": 2})
+    assert second["state_dict"]["w"].data_ptr() == buf and torch.equal(second["state_dict"]["w"], w.cpu())
