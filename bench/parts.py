@@ -17,13 +17,8 @@ each one). Environment overrides (EXTRACT_TOKENS, E2E_STEPS, ...) apply to the G
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -322,7 +317,7 @@ def tau_start(c: Ctx) -> list:
 @part("tau-collect")
 def tau_collect(c: Ctx) -> list:
     """Wait for the detached study (at most TAU_WAIT s), then copy what it finished."""
-    from bench.parts_run import wait_detached
+    from bench.parts_run import copy_path, wait_detached
 
     def collect() -> None:
         wait_detached(c.tmp / "tau.log", float(c.var("TAU_WAIT", "300", "900")))
@@ -379,13 +374,6 @@ def _tiny_train(c: Ctx, d: str, wrap: list, only: str, steps: str) -> list:
     t = [PY, *wrap, "-m", "pipeline.cli", "train", "--store", store,
          "--no-export", *(a for s in train for a in ("--set", s))]
     return [Step(x, f"{d}-extract.log", show=0, clean=[str(c.tmp / d)]), Step(t, f"{d}-train.log", show=12, only=only)]
-
-
-def copy_path(src: Path, dst: Path) -> None:
-    if Path(src).is_dir():
-        shutil.copytree(src, dst, dirs_exist_ok=True)
-    elif Path(src).exists():
-        shutil.copyfile(src, dst)
 
 
 def main(argv: list[str]) -> int:

@@ -17,9 +17,14 @@ from pathlib import Path
 _started: dict[int, subprocess.Popen] = {}  # detached steps started by this process (pid -> process)
 
 
-def _copy(pairs) -> None:
-    from bench.parts import copy_path
+def copy_path(src: Path, dst: Path) -> None:
+    if Path(src).is_dir():
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+    elif Path(src).exists():
+        shutil.copyfile(src, dst)
 
+
+def _copy(pairs) -> None:
     for src, dst in pairs:
         try:
             copy_path(Path(src), Path(dst))

@@ -2,7 +2,7 @@
 here, with its reason next to it (issue 31 item 4).
 
 Contract: `quiet_third_party()` is idempotent and changes no math. It filters only the messages listed in
-WARNINGS, Lightning's info lines (the logger level) and dynamo's recompile dumps of the recompiles that are
+WARNINGS (six), Lightning's info lines (the logger level) and dynamo's recompile dumps of the recompiles that are
 expected (RECOMPILES): each of those becomes one `train: recompiling ...` line. Any other warning, and any other
 recompile, still prints everything. Dynamo names each compiled variant's first failing guard only, so a
 recompile counts as expected when every variant failed on an expected guard; the recompile limit
@@ -29,6 +29,12 @@ WARNINGS: list[tuple[str, str]] = [
     # Inductor's choice of a two-pass softmax where its online-softmax kernel does not apply (it has them only for
     # Triton, i.e. not on the CPU, and not for every shape): a kernel choice, the same math
     (r"Online softmax is disabled", "an Inductor kernel choice"),
+    # validation metrics are all-reduced by the task itself before they are logged (train_task's
+    # on_validation_epoch_end), which Lightning cannot see: its advice to sync them again does not apply
+    (r"It is recommended to use `self.log\('val/", "val metrics are all-reduced already"),
+    # an epoch with fewer batches than Trainer(log_every_n_steps) (a small store on several ranks) writes its CSV
+    # rows less often; the progress lines (train.log_every) are dflash's own
+    (r"The number of training batches \(\d+\) is smaller than the logging interval", "a short epoch"),
 ]
 
 # (guard-failure regex, what it means) of the recompiles a drafter layer legitimately has (stages/train_task.py

@@ -48,11 +48,13 @@ class ProgressLines(L.Callback):
         if self.first_step_s is None:  # the first batch carries the compile; say when it is over
             self.first_step_s = time.time() - self.started
             where = f" on rank {trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank compiles on its own
-            print(f"train: first batch done {self.first_step_s:.1f} s after start{where} (includes loading and "
-                  f"compiling); {time.time() - self.t0:.1f} s of it in the batch", file=sys.stderr, flush=True)
+            text = (f"train: first batch done {self.first_step_s:.1f} s after start{where} (includes loading and "
+                    f"compiling); {time.time() - self.t0:.1f} s of it in the batch\n")
             if self.phases is not None:
                 self.phases.mark("first batch")  # its loading and compiling
-                print(self.phases.line(where), file=sys.stderr, flush=True)
+                text += self.phases.line(where) + "\n"
+            sys.stderr.write(text)  # one write: under DDP another rank's line cannot land inside it
+            sys.stderr.flush()
             self.after_first = (time.time(), trainer.global_step, self.tokens)
         step = trainer.global_step
         if not trainer.is_global_zero or step % self.every or step in (self.step0, self.last_line):
@@ -203,7 +205,7 @@ class FinalCheckpoint:
         from stages.train_ckpt_io import wait_for_checkpoints
 
         t = (self.progress.done_at if self.progress is not None else None) or time.time()
-        wait_for_checkpoints(trainer)  # a step checkpoint still being written (its last.ckpt link follows it)
+        wait_for_checkpoints(trainer, sync=True)  # a step checkpoint still being written (last.ckpt follows it)
         save_final(trainer, self.checkpoint, self.last)
         self.saved = True
         if self.free:  # the checkpoint is a host copy now, written in the background

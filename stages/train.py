@@ -414,7 +414,7 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
         sys.stderr.flush()
         os._exit(130)
     if not final.saved:  # fit returned without on_train_end (nothing to train: resumed at the last step)
-        wait_for_checkpoints(trainer)
+        wait_for_checkpoints(trainer, sync=True)
         save_final(trainer, checkpoint, checkpoint_path)
     wait_for_checkpoints(trainer)  # every write in place before the export reads one and before the exit
     if trainer.is_global_zero:

@@ -177,8 +177,12 @@ def _relink(filepath: str, linkpath: str) -> None:
     os.replace(tmp, linkpath)
 
 
-def wait_for_checkpoints(trainer) -> None:
-    """The end of fit: the last checkpoint write is in place (a no-op for another CheckpointIO)."""
+def wait_for_checkpoints(trainer, sync: bool = False) -> None:
+    """The last checkpoint write is in place (a no-op for another CheckpointIO). `sync`: then a barrier, so that
+    every rank sees what rank 0 wrote (its last.ckpt link): a decision taken on each rank from the files on disk
+    (stages/progress.save_final) is the same on all of them. Every rank must call it with sync."""
     io = getattr(trainer.strategy, "checkpoint_io", None)
     if isinstance(io, AsyncCheckpointIO):
         io.wait()
+    if sync and trainer.world_size > 1:
+        trainer.strategy.barrier()
