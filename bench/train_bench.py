@@ -213,8 +213,9 @@ def attention_only(arch: DrafterArch, anchors, bs: int, S: int, types: list, vis
     out = {}
     print(f"\nattention alone: q [1, {h}, {Q}, {d}], k/v [1, {kv}, {S + Q}, {d}], fwd+bwd")
     print(f"{'layer type':<20}{'mode':<6}{'ms':>8}{'useful TFLOP/s':>16}")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for t in sorted(set(types)):
-        for mode in ("flex", "sdpa"):
+        for mode in ("flex", "sdpa") if dev.type == "cuda" else ("sdpa",):  # flex has no CPU backward (smoke runs)
             attend = make_attend(mode, anchors=anchors, block_size=bs, ctx_len=S, layer_types=[t],
                                  sliding_window=2048, seq_lens=torch.tensor([S], device=dev))
             q = torch.randn(1, h, Q, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -226,11 +227,11 @@ def attention_only(arch: DrafterArch, anchors, bs: int, S: int, types: list, vis
 
             for _ in range(3):
                 run()
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             for _ in range(20):
                 run()
-            torch.cuda.synchronize()
+            sync()
             ms = (time.perf_counter() - t0) / 20 * 1e3
             useful = 3 * 2 * 2 * vis[t] * d * h  # fwd (QK^T, PV) + bwd (2x), visible pairs only
             out[f"{t}/{mode}"] = {"ms": ms, "useful_tflops": useful / ms / 1e9}
@@ -241,11 +242,13 @@ def attention_only(arch: DrafterArch, anchors, bs: int, S: int, types: list, vis
 def profile(step) -> None:
     from torch.profiler import ProfilerActivity, profile as prof
 
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+    cuda = torch.cuda.is_available()  # the CPU's ops in a smoke run
+    with prof(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+        if cuda:
+            torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by=f"{'cuda' if cuda else 'cpu'}_time_total", row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":

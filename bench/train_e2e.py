@@ -94,15 +94,20 @@ def flops_per_sample(config: str, layers: list[int], vocab: int, seq: int) -> fl
     return useful_flops(arch, seq, anchors.shape[1] * d.block_size, int((blocks.labels >= 0).sum()), vocab, vis)
 
 
+def train_command(config: str, store: Path, gpus: str, sets: list[str], cuda: bool) -> list[str]:
+    """The `dflash train` command of one run: on CUDA these GPUs, without it (a smoke run of this script) the same
+    number of CPU ranks over gloo; every --set on both (issue 31: the CUDA branch once dropped them all)."""
+    cmd = [sys.executable, "-m", "stages.cli", "train", "--config", config, "--store", str(store), "--no-export"]
+    cmd += ["--gpus", gpus] if cuda else ["--devices", str(len(gpus.split(",")))]
+    return cmd + [a for s in sets for a in ("--set", s)]
+
+
 def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str,
-        extra: tuple = ()) -> dict:
+        extra: tuple = (), checkpoint_every: int = 100000) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [*extra, "target.name=bench", f"target.layer_ids={layers}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.epochs=1000",
-            "train.log_every=1", f"train.lr={lr}", "train.checkpoint_every=100000", "train.val_every=100000"]
-    cmd = [sys.executable, "-m", "stages.cli", "train", "--config", config,
-           "--store", str(store), "--no-export"]
-    # on a machine without CUDA (a smoke run of this script) the same number of CPU ranks over gloo
-    cmd += ["--gpus", gpus] if torch.cuda.is_available() else ["--devices", str(len(gpus.split(",")))] + [a for s in sets for a in ("--set", s)]
+            "train.log_every=1", f"train.lr={lr}", f"train.checkpoint_every={checkpoint_every}", "train.val_every=100000"]
+    cmd = train_command(config, store, gpus, sets, torch.cuda.is_available())
     t0 = time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                          env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache)})
@@ -116,6 +121,11 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     final_at, final = next(((t, float(m.group(1))) for t, x in lines
                             if (m := re.search(r"in place ([0-9.]+) s after training ended", x))), (None, None))
     stamps = [(t, int(m.group(1))) for t, x in lines if (m := re.match(r"train: step (\d+)/", x))]
+    # start-up phases (stages/train_startup.py) and each checkpoint's training stall (stages/train_ckpt_io.py)
+    startup = next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(2).split(", ")}
+                    for _, x in lines if (m := re.match(r"train: start-up(?: on rank \d+)? ([0-9.]+) s: (.*)", x))), None)
+    stalls = [(m.group(1), float(m.group(2))) for _, x in lines
+              if (m := re.match(r"train: checkpoint (\S+) written: training waited ([0-9.]+) s", x))]
     steady = None
     if len(stamps) >= 4:
         (ta, sa), (tb, sb) = stamps[2], stamps[-1]
@@ -123,10 +133,11 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     shutil.rmtree(run_dir, ignore_errors=True)  # a 27B-shape checkpoint is ~21 GB (fp32 weights + AdamW)
     return {"rc": rc, "gpus": gpus, "wall_s": time.time() - t0, "first_batch_s": first, "first_batch_per_rank_s": firsts,
             "steady_steps_s": steady, "steps": stamps[-1][1] if stamps else 0, "final_checkpoint_s": final,
+            "startup_phases_s": startup, "checkpoint_stalls_s": stalls,
             "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", default="/tmp/dflash-e2e")
     ap.add_argument("--samples", type=int, default=24)
@@ -145,6 +156,8 @@ def main() -> None:
     ap.add_argument("--reference", default=None,
                     help="an earlier call's --out JSON whose 1-GPU run is the scaling reference (when this call has none)")
     ap.add_argument("--cold-steps", type=int, default=None, help="optimizer steps of the first (cold) run; default --steps")
+    ap.add_argument("--checkpoint-every", type=int, default=100000,
+                    help="train.checkpoint_every of the warm runs (their periodic checkpoints' stall is in the table)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak of the GPU (train_bench)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -164,7 +177,8 @@ def main() -> None:
         name = f"{'cold' if i == 0 and not a.reuse else 'warm'} {n} GPU{'s' if n > 1 else ''} (run {i + 1}, lr {LRS[i % 2]})"
         name += "".join(f" {x.removeprefix('train.')}" for x in extra)
         steps = a.cold_steps if i == 0 and a.cold_steps else a.steps
-        res[name] = run(root / "store.zarr", root / f"run-{i}", cache, steps, LRS[i % 2], a.config, layers, gpus, (*a.sets, *extra))
+        res[name] = run(root / "store.zarr", root / f"run-{i}", cache, steps, LRS[i % 2], a.config, layers, gpus, (*a.sets, *extra),
+                        checkpoint_every=a.checkpoint_every if i or a.reuse else 100000)
         if a.out:  # after each run: a time limit that stops the second one keeps the first
             Path(a.out).write_text(json.dumps(res, indent=1))
     from pipeline.config import load_config
@@ -176,7 +190,7 @@ def main() -> None:
     flops = flops_per_sample(a.config, layers, a.vocab, a.seq)
     w = max(34, *(len(k) + 1 for k in res))
     print(f"{'run':<{w}}{'rc':>3}{'first batch s':>15}{'steps/s':>9}{'samples/s':>11}{'MFU':>7}{'scaling':>9}{'end s':>7}"
-          f"{'exit s':>8}{'wall s':>8}")
+          f"{'exit s':>8}{'wall s':>8}{'ckpt stall s':>14}")
     nan, one_gpu = float("nan"), None
     if a.reference:  # the 1-GPU samples/s of an earlier call (its last 1-GPU run)
         ref = json.loads(Path(a.reference).read_text())
@@ -192,13 +206,16 @@ def main() -> None:
                  scaling=per_gpu / one_gpu if world > 1 and one_gpu else None)
         scaling = f"{100 * r['scaling']:.1f}%" if r["scaling"] else "-"
         print(f"{k:<{w}}{r['rc']:>3}{first:>15.1f}{sps:>9.3f}{per_gpu * world:>11.2f}{100 * r['mfu']:>6.1f}%{scaling:>9}"
-              f"{end:>7.1f}{ex:>8.1f}{r['wall_s']:>8.0f}")
+              f"{end:>7.1f}{ex:>8.1f}{r['wall_s']:>8.0f}{max([s for _, s in r['checkpoint_stalls_s']], default=nan):>14.2f}")
+        if r["startup_phases_s"]:
+            print("    start-up: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup_phases_s"].items()))
     print(f"MFU: {flops / 1e12:.2f} useful TFLOP per sample, peak {a.peak_tflops:.0f} TFLOP/s per GPU, steady rate over the "
           "steps after the 3rd logged one (goal >= 68% over >= 50 steps); scaling: per-GPU samples/s vs the last 1-GPU "
-          "run (goal >= 95%)")
+          "run (goal >= 95%); ckpt stall: the longest training wait for a checkpoint (goal < 2 s)")
     if a.out:
         Path(a.out).write_text(json.dumps({**res, "useful_tflop_per_sample": flops / 1e12}, indent=1))
+    return 1 if any(r["rc"] for r in res.values()) else 0  # a failed run fails the bench (and its smoke test)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

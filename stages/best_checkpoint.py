@@ -113,8 +113,8 @@ class BestCheckpoint(L.Callback):
         trainer.save_checkpoint(self.dir / best_name(step), weights_only=True)  # collective; rank 0 writes
         self.tau, self.step = float(tau), step
         if trainer.is_global_zero:
-            if old is not None and old != self.path:
-                old.unlink(missing_ok=True)
+            if old is not None and old != self.path:  # once the new one is written (stages/train_ckpt_io.py)
+                trainer.strategy.checkpoint_io.remove_checkpoint(old)
             print(f"train: new best val tau {self.tau:.3f} at step {step}: {self.path}", file=sys.stderr, flush=True)
 
 

@@ -87,6 +87,9 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
         log(f"demo [3/5] train{' (resuming)' if resume else ''}: {cfg.train.epochs} epochs, drafter "
             f"{cfg.drafter.num_hidden_layers} layers x {cfg.drafter.hidden_size}, block {cfg.drafter.block_size} "
             f"-> {run_dir}")
+        from stages.train_startup import begin
+
+        begin()  # the start-up line counts from here, not from the demo's start
         rc = run_train(cfg, store, None, None, resume, command, export=True)
         if rc:
             return rc

@@ -22,20 +22,13 @@ import torch
 
 import lightning as L
 
-
-def process_start_time() -> float:
-    """Wall-clock time this process started (Linux /proc), else now: the start of the user's wait."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
+from stages.train_startup import StartupPhases, process_start_time  # noqa: F401  (process_start_time: callers here)
 
 
 class ProgressLines(L.Callback):
-    def __init__(self, run_dir: Path, every: int, started: float | None = None):
+    def __init__(self, run_dir: Path, every: int, started: float | None = None, phases: StartupPhases | None = None):
         self.run_dir, self.every = Path(run_dir), max(1, every)
+        self.phases = phases
         self.started = process_start_time() if started is None else started  # when the command began (the user's wait)
         self.t0 = self.step0 = None
         self.tokens = 0.0
@@ -45,6 +38,8 @@ class ProgressLines(L.Callback):
         self.after_first: tuple[float, int, float] | None = None  # (time, step, tokens) at the first batch's end
 
     def on_train_start(self, trainer, pl_module):
+        if self.phases is not None and self.first_step_s is None:
+            self.phases.mark("fit set-up")  # ranks started, compile settings, optimizer, a resume's restore
         self.t0, self.step0, self.tokens = time.time(), trainer.global_step, 0.0
         self.first_step_s, self.last_line, self.after_first = None, None, None
 
@@ -53,8 +48,13 @@ class ProgressLines(L.Callback):
         if self.first_step_s is None:  # the first batch carries the compile; say when it is over
             self.first_step_s = time.time() - self.started
             where = f" on rank {trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank compiles on its own
-            print(f"train: first batch done {self.first_step_s:.1f} s after start{where} (includes loading and "
-                  f"compiling); {time.time() - self.t0:.1f} s of it in the batch", file=sys.stderr, flush=True)
+            text = (f"train: first batch done {self.first_step_s:.1f} s after start{where} (includes loading and "
+                    f"compiling); {time.time() - self.t0:.1f} s of it in the batch\n")
+            if self.phases is not None:
+                self.phases.mark("first batch")  # its loading and compiling
+                text += self.phases.line(where) + "\n"
+            sys.stderr.write(text)  # one write: under DDP another rank's line cannot land inside it
+            sys.stderr.flush()
             self.after_first = (time.time(), trainer.global_step, self.tokens)
         step = trainer.global_step
         if not trainer.is_global_zero or step % self.every or step in (self.step0, self.last_line):
@@ -183,7 +183,7 @@ def save_final(trainer, checkpoint, last: Path) -> None:
         return  # last.ckpt links the step checkpoint written at this very step
     if trainer.is_global_zero and last.is_symlink():
         last.unlink()  # write a new file; never overwrite the step checkpoint the link points at
-    trainer.save_checkpoint(last)  # every rank calls it (it synchronises); rank 0 writes
+    trainer.save_checkpoint(last, weights_only=False)  # every rank calls it (it synchronises); rank 0 writes
 
 
 class FinalCheckpoint:
@@ -202,17 +202,21 @@ class FinalCheckpoint:
         self.progress = progress
 
     def __call__(self, trainer, pl_module) -> None:
+        from stages.train_ckpt_io import wait_for_checkpoints
+
         t = (self.progress.done_at if self.progress is not None else None) or time.time()
+        wait_for_checkpoints(trainer, sync=True)  # a step checkpoint still being written (last.ckpt follows it)
         save_final(trainer, self.checkpoint, self.last)
         self.saved = True
-        if trainer.is_global_zero:
-            print(f"train: final checkpoint {self.last} in place {time.time() - t:.1f} s after training ended",
-                  file=sys.stderr, flush=True)
-        if self.free:
+        if self.free:  # the checkpoint is a host copy now, written in the background
             for opt in trainer.optimizers:
                 opt.state.clear()
             for p in pl_module.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        wait_for_checkpoints(trainer)  # before the export reads it and before the process ends
+        if trainer.is_global_zero:
+            print(f"train: final checkpoint {self.last} in place {time.time() - t:.1f} s after training ended",
+                  file=sys.stderr, flush=True)
 
 
 class ValidateAtEnd(L.Callback):

@@ -212,37 +212,6 @@ def _compile_cache(cfg: Config, rebuild: bool, report: bool) -> Path:
     return d
 
 
-def _streaming_checkpoint_io():
-    """Lightning's CheckpointIO, but a local checkpoint streams to a temporary file that is renamed into place.
-
-    The default serialises the whole checkpoint into memory first and then copies that buffer once more
-    (2 x 21 GB of host memory per rank at the 27B shape, on a node that also runs extraction); this writes
-    as it serialises, and the rename keeps the file all-or-nothing as before. Loading (`--resume`) goes through
-    pipeline.ckpt_io: weights_only with dflash's allow-list, so a planted last.ckpt cannot run code."""
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-    from pipeline.ckpt_io import safe_checkpoint_io_class
-
-    class StreamingCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: weights_only, always
-        def save_checkpoint(self, checkpoint, path, storage_options=None):
-            if not st.is_local(str(path)):
-                return super().save_checkpoint(checkpoint, path, storage_options)
-            path = Path(str(path).removeprefix("file://"))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            try:
-                with open(tmp, "wb") as f:  # a file object: a full disk raises OSError(ENOSPC), not a bare
-                    torch.save(checkpoint, f)  # RuntimeError of torch's zip writer (a path would)
-                os.replace(tmp, path)
-            except OSError as e:
-                e.filename = e.filename or str(path)  # which file the full disk refused (pipeline.preflight)
-                raise
-            finally:
-                tmp.unlink(missing_ok=True)
-
-    return StreamingCheckpointIO()
-
-
 def resume_command(command: str) -> str:
     """The command that resumes a stopped run: the same one with --resume, without --init-from (the run's weights
     are in its checkpoint now, and the two flags are refused together)."""
@@ -294,6 +263,10 @@ def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devi
 def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
            command: str, export: bool, rebuild_compile_cache: bool, follow: bool, init_from: Optional[str],
            num_nodes: Optional[int]) -> int:
+    from stages.train_startup import StartupPhases
+
+    phases = StartupPhases()  # each start-up phase's seconds, one line at the first batch (issue 31 item 1)
+    phases.mark("launch and imports")  # the interpreter, the CLI's imports (torch), the config
     store_path = store or cfg.store.path
     follow = follow or os.environ.get("DFLASH_TRAIN_FOLLOW") == "1"  # set for its ranks by a following launcher
     run_dir = Path(cfg.train.run_dir)
@@ -343,15 +316,20 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         check_gpus_free(list(devs), need_gib=16)
     resume_state = _checkpoint_state(last) if resume else None
     attrs, reader, stream_epochs, head_check = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
+    phases.mark("store checks")
     # Lightning and the training module (~5 s of imports) load while the head's checksum runs in its thread
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from stages.best_checkpoint import BestCheckpoint
     from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC, StopRequest,
                                  ValidateAtEnd, ValidateSkippedOnResume, resumable_csv_logger, save_final,
                                  stopped_by_user)
+    from stages.train_ckpt_io import AsyncCheckpointIO, LinkAfterWrite, wait_for_checkpoints
     from stages.train_task import DrafterTask
+    from pipeline.quiet_log import quiet_third_party
+
+    quiet_third_party()  # each third-party line fixed or filtered, with its reason (pipeline/quiet_log.py)
+    phases.mark("Lightning imports")
 
     strategy = ddp_strategy(cfg, use_gpu, multi_node=top.num_nodes > 1) if world > 1 else "auto"
     layer_ids, head = list(attrs["layer_ids"]), st.frozen_head_path(store_path)  # matched by _open_store
@@ -368,6 +346,9 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
     if use_gpu:
         _compile_cache(cfg, rebuild=rebuild_compile_cache and launcher, report=launcher)
     train_dl, val_dl, sampler = _dataloaders(cfg, store_path, reader, rank, world, 128 if use_gpu else 1, stream_epochs)
+    if val_dl is None and launcher:
+        print("train: the store has no validation split, so the run validates nothing (val tau n/a)",
+              file=sys.stderr, flush=True)
     from data.sampler import remaining_steps
 
     # the LR schedule's length: a fresh run's plan (a following run counts the samples the store will hold);
@@ -390,6 +371,7 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
                  "plan": {"stream_epochs": sorted(stream_epochs), "batches": len(sampler), "steps": planned},
                  "resume": resume_state and {"step": resume_state["global_step"], "loader": resume_state["loader"]}}
         callbacks.append(nodes_check(top, facts, run_dir, cfg.train.collective_timeout_s))
+    phases.mark("compile cache and loaders")
     run_dir.mkdir(parents=True, exist_ok=True)
     from pipeline.lifecycle import log_process_output
 
@@ -401,13 +383,14 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         task = DrafterTask(task_cfg, layer_ids, attrs["target"]["vocab_size"], head, steps_per_epoch, attrs["encoding"],
                            target_meta=attrs["target"], store_path=store_path)
 
+    phases.mark("drafter")
     task.train_sampler = sampler  # the step records consumed batches; Lightning checkpoints the loader's state
     task.planned_steps = planned
     # save_last="link": last.ckpt is a symlink to the newest step checkpoint, not a second full copy
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last="link",
+    checkpoint = LinkAfterWrite(dirpath=ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every, save_last="link",
                                  save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
     checkpoint_path = ckpt_dir / "last.ckpt"
-    progress = ProgressLines(run_dir, cfg.train.log_every)
+    progress = ProgressLines(run_dir, cfg.train.log_every, phases=phases)
     task.on_train_finished = final = FinalCheckpoint(checkpoint, checkpoint_path, free=use_gpu, progress=progress)
     # a resumed run keeps the CSV rows logged up to its checkpoint and drops those after it (logged again)
     loggers = [resumable_csv_logger(run_dir, resume_state["logged_through"] if resume_state else None)]
@@ -435,16 +418,24 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         use_distributed_sampler=False,
         enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,
-        plugins=[_streaming_checkpoint_io()],
+        plugins=[AsyncCheckpointIO()],  # copied to host memory, written in the background (train_ckpt_io.py)
+        enable_model_summary=False,  # its table goes to stdout and warns on bf16-mixed; the line below says it
     )
     if (trainer.global_rank, trainer.world_size) != (rank, world):  # our reading of the environment is Lightning's
         raise TrainError(f"{top.where}: Lightning sees global rank {trainer.global_rank} of {trainer.world_size}, "
                          f"dflash read {rank} of {world} from the {top.env} environment; report this with the "
                          "launcher's variables (RANK, LOCAL_RANK, NODE_RANK, SLURM_*)")
+    if launcher and rank == 0:
+        n = sum(p.numel() for p in task.drafter.parameters())
+        print(f"train: drafter {n / 1e6:.2f}M parameters ({cfg.drafter.arch}), on "
+              f"{f'GPU {list(devs)}' if use_gpu else f'{devs} CPU process(es)'}, precision {precision}",
+              file=sys.stderr, flush=True)
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "command.txt").write_text(command + "\n")
+    phases.mark("trainer")
     head_check()  # the frozen head's checksum, overlapped with the set-up above
+    phases.mark("frozen-head check wait")
     StopRequest.install()
     try:
         trainer.fit(task, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(last) if resume else None,
@@ -465,6 +456,10 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
             starter = getattr(trainer.strategy, "launcher", None)  # Lightning's, which started the other ranks
             if hasattr(starter, "kill"):
                 starter.kill(signal.SIGKILL)  # the ranks it started, as Lightning's own Ctrl-C path does
+        try:
+            wait_for_checkpoints(trainer)  # a checkpoint being written when the stop came is kept whole
+        except Exception as w:  # noqa: BLE001  its temporary file is gone; the previous checkpoint is kept
+            print(f"train: the checkpoint being written when the run stopped failed: {w}", file=sys.stderr)
         hint = resume_command(command)
         print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
               f"resume with: {hint}", file=sys.stderr)
@@ -477,7 +472,9 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         sys.stderr.flush()
         os._exit(130)
     if not final.saved:  # fit returned without on_train_end (nothing to train: resumed at the last step)
+        wait_for_checkpoints(trainer, sync=True)
         save_final(trainer, checkpoint, checkpoint_path)
+    wait_for_checkpoints(trainer)  # every write in place before the export reads one and before the exit
     if trainer.is_global_zero:
         summary = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
                    "val": getattr(task, "last_val", {}), "checkpoint": str(checkpoint_path)}

@@ -22,19 +22,21 @@ def _enospc(filename=None) -> OSError:
 
 
 def test_checkpoint_writer_raises_enospc_naming_the_file_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
-    from stages.train import _streaming_checkpoint_io
+    from stages.train_ckpt_io import AsyncCheckpointIO  # dflash train's CheckpointIO: writes behind training
 
-    io_ = _streaming_checkpoint_io()
+    io_ = AsyncCheckpointIO(log=lambda s: None)
     path = tmp_path / "checkpoints" / "step4.ckpt"
     io_.save_checkpoint({"global_step": 2, "w": torch.ones(3)}, path)
+    io_.wait()
 
     def full(obj, f, *a, **k):
         f.write(b"PK partial")  # some bytes made it, then the disk was full
         raise _enospc()
 
     monkeypatch.setattr(torch, "save", full)
+    io_.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, path)  # the write fails behind training ...
     with pytest.raises(OSError) as e:
-        io_.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, path)
+        io_.wait()  # ... and its error reaches the next save or wait (the end of fit)
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
     monkeypatch.undo()
     assert io_.load_checkpoint(path)["global_step"] == 2  # the earlier checkpoint, whole

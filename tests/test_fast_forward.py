@@ -111,15 +111,14 @@ def test_extract_worker_logs_the_forward_it_runs(hybrid, tmp_path):
 
 @pytest.mark.slow
 def test_bench_part_runs_on_cpu_at_a_tiny_size(tmp_path):
-    """`bash bench/device_run.sh fastfwd` with FF_SMOKE=1: the GPU part's command lines at a tiny size on the CPU
-    (the GPU test skips; the bench runs both forwards, the torch stand-ins as the fast ops, and an extraction)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path / "out"), "FF_SMOKE": "1",
-           "TRITON_CACHE_DIR": str(tmp_path / "kc"),
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    r = subprocess.run(["bash", "bench/device_run.sh", "fastfwd"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=HANG_S)
-    assert r.returncode == 0 and "fastfwd_bench rc=0" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    assert "skipped" in (tmp_path / "out" / "fastfwd_test.log").read_text()
+    """`bash bench/device_run.sh fastfwd`'s command lines (bench/parts.py) at their tiny size on the CPU (the GPU
+    test skips; the bench runs both forwards, the torch stand-ins as the fast ops, and an extraction)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path / "out"), "CUDA_VISIBLE_DEVICES": "",
+           "TRITON_CACHE_DIR": str(tmp_path / "kc")}
+    r = subprocess.run([sys.executable, "-m", "bench.parts", "run", "--tiny", "fastfwd"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0 and "FAILED" not in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert "test_fast_forward_equals_transformers_on_the_gpu_in_bf16" in (tmp_path / "out" / "fastfwd_test.log").read_text()
     x = json.loads((tmp_path / "out" / "fastfwd.json").read_text())
     assert x["ops"] == "torch" and x["modules_rebound"] > 0 and "fast_error" not in x
     assert x["reference"]["tok_s"] > 0 and x["fast"]["tok_s"] > 0 and x["speedup"] > 0

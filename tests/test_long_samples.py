@@ -129,7 +129,8 @@ def test_extract_and_train_an_8k_sample_end_to_end(tmp_path):
 
 @pytest.mark.slow  # two bench subprocesses, ~20-50 s
 def test_device_run_long_parts_at_tiny_size(tmp_path):
-    """bench/device_run.sh's `long` and `longdiag` parts (issue 28.1) are the command lines the GPU run uses; here
+    """bench/device_run.sh's `long` and `longdiag` parts (issue 28.1; built by bench/parts.py) are the command lines
+    the GPU run uses; here
     at a tiny width on CPU: long_bench writes a row per point with step time, MFU and the useful FLOPs, and
     compile_diag one JSON line per point (ok, no failing kernel) plus the dumped Inductor sources."""
     import json
@@ -138,12 +139,12 @@ def test_device_run_long_parts_at_tiny_size(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(root),
-               LONG_ARGS="--tiny --device cpu --points 256:16,1024:32 --steps 1",
-               LONGDIAG_ARGS="--tiny --device cpu --points 256:16 --steps 1")
-    r = subprocess.run(["bash", "bench/device_run.sh", "long", "longdiag"], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0 and "unknown part" not in r.stdout, r.stdout + r.stderr
+    import sys
+
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(root), CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-m", "bench.parts", "run", "--tiny", "long", "longdiag"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0 and "unknown part" not in r.stdout and "FAILED" not in r.stdout, r.stdout + r.stderr
     rows = json.loads((tmp_path / "long.json").read_text())["points"]
     assert [(p["S"], p["anchors"]) for p in rows] == [(256, 16), (1024, 32)]
     for p in rows:

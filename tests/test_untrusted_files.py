@@ -84,19 +84,20 @@ def test_loader_refuses_a_pickle_that_runs_code_and_reads_real_checkpoints(train
 
 
 def test_lightning_resume_load_goes_through_the_safe_loader(tmp_path):
-    """Trainer.fit(ckpt_path=...) loads with the strategy's CheckpointIO: ours refuses whatever weights_only
-    Lightning passes."""
-    from stages.train import _streaming_checkpoint_io
+    """Trainer.fit(ckpt_path=...) loads with the strategy's CheckpointIO (dflash train's: stages/train_ckpt_io.py's
+    AsyncCheckpointIO): ours refuses whatever weights_only Lightning passes."""
+    from stages.train_ckpt_io import AsyncCheckpointIO
 
     marker = tmp_path / "marker"
     evil = plant(tmp_path / "last.ckpt", marker)
-    io = _streaming_checkpoint_io()
+    io = AsyncCheckpointIO(log=lambda s: None)
     for wo in (None, False, True):
         with pytest.raises(UnsafeCheckpoint):
             io.load_checkpoint(evil, weights_only=wo)
     assert not marker.exists()
     good = tmp_path / "good.ckpt"
     io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(2)}}, good)
+    io.wait()
     assert torch.equal(io.load_checkpoint(good)["state_dict"]["w"], torch.ones(2))
 
 

@@ -1,0 +1,121 @@
+"""Runs the steps of one bench/parts.py part: each command with its log under OUT, a time limit that ends its whole
+process group, periodic copies of its results into OUT, and the tail of its log printed when it ends. A part's
+exit status is the worst of its steps' (1 for a failed step or a time limit), so a smoke run fails loudly."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import traceback
+from pathlib import Path
+
+_started: dict[int, subprocess.Popen] = {}  # detached steps started by this process (pid -> process)
+
+
+def copy_path(src: Path, dst: Path) -> None:
+    if Path(src).is_dir():
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+    elif Path(src).exists():
+        shutil.copyfile(src, dst)
+
+
+def _copy(pairs) -> None:
+    for src, dst in pairs:
+        try:
+            copy_path(Path(src), Path(dst))
+        except OSError:  # a results file being rewritten: the next round copies it
+            pass
+
+
+def _shown(log: Path, step) -> str:
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    lines = [x for x in lines if (not step.only or re.search(step.only, x)) and not (step.hide and re.search(step.hide, x))]
+    return "\n".join(lines[-step.show:]) if step.show else ""
+
+
+def _start(step, out: Path) -> tuple[subprocess.Popen, Path]:
+    for p in step.clean:
+        shutil.rmtree(p, ignore_errors=True)
+    log = Path(step.log) if os.path.isabs(step.log) else out / step.log
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        p = subprocess.Popen(step.argv, cwd=step.cwd, env={**os.environ, **step.env}, stdout=f, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    return p, log
+
+
+def _finish(p: subprocess.Popen, log: Path, step) -> int:
+    stop = threading.Event()
+
+    def copier() -> None:
+        while not stop.wait(15):
+            _copy(step.copy)
+    threading.Thread(target=copier, daemon=True).start()
+    try:
+        rc = p.wait(timeout=step.timeout or None)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        rc = 124
+        print(f"{' '.join(step.argv[:3])}: stopped at its limit of {step.timeout:.0f} s")
+    stop.set()
+    _copy(step.copy)
+    text = _shown(log, step)
+    if text:
+        print(text, flush=True)
+    if rc:
+        print(f"FAILED (exit {rc}): {' '.join(step.argv)}; log {log}", flush=True)
+    return 0 if rc == 0 else 1
+
+
+def run_steps(steps: list, out: Path) -> int:
+    rc = 0
+    for step in steps:
+        if callable(step):
+            try:
+                step()
+            except Exception:  # a summary that fails fails the part, with its traceback
+                traceback.print_exc()
+                rc = 1
+        elif isinstance(step, list):  # side by side
+            started = [(s, *_start(s, out)) for s in step]
+            rc = max([rc, *(_finish(p, log, s) for s, p, log in started)])
+        elif step.detach:
+            p, log = _start(step, out)
+            _started[p.pid] = p
+            Path(f"{log}.pid").write_text(str(p.pid))
+            print(f"{' '.join(step.argv[:4])} started in the background (pid {p.pid}, log {log})")
+        else:
+            rc = max(rc, _finish(*_start(step, out), step))
+    return rc
+
+
+def run_part(name: str, steps: list, out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    return run_steps(steps, out)
+
+
+def wait_detached(log: Path, limit_s: float) -> bool:
+    """Wait for the step detached with this log (its pid file) to end, at most limit_s; True when it ended."""
+    pid_file = Path(f"{log}.pid")
+    if not pid_file.exists():
+        print(f"nothing was started with log {log}")
+        return True
+    pid, end = int(pid_file.read_text()), time.monotonic() + limit_s
+    while time.monotonic() < end:
+        if pid in _started:
+            if _started[pid].poll() is not None:
+                return True
+        else:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+        time.sleep(2)
+    print(f"pid {pid} still runs after {limit_s:.0f} s; copying what it finished")
+    return False

@@ -1,0 +1,195 @@
+"""Checkpoints off the training's critical path (issue 31 item 2): `dflash train`'s Lightning CheckpointIO.
+
+Contract:
+- A save copies the checkpoint to host memory (into pinned buffers on CUDA, reused by the next save: the first
+  save pays for pinning) and returns; a background thread writes that copy. Training waits only for the copy,
+  and a second save for the first one's write (never more than one write in flight). Each written checkpoint
+  logs one line: how long training waited, how long the write took behind it.
+- Every write is atomic: a temporary file next to the target, fsync, rename, fsync of the directory. A crash or
+  an error during a write leaves the previous file as it was; a write error is raised by the next save or wait.
+- What must follow a write (ModelCheckpoint's `last.ckpt` link to the new step file, the removal of the step
+  file it replaces) runs after the rename (`after_write`), so `last.ckpt` always names a complete file.
+- Loading (`--resume`) goes through pipeline.ckpt_io: weights_only with dflash's allow-list, whatever Lightning
+  asks for, so a planted last.ckpt cannot run code. A write that fails with OSError (a full disk) names its file
+  (`e.filename`), which pipeline.preflight's one-line disk message reads.
+- `wait()` returns once the last write is in place (the end of fit, before an export reads the checkpoint and
+  before the process exits; Lightning's teardown calls it too).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from pipeline import store as st
+from pipeline.ckpt_io import safe_checkpoint_io_class
+
+
+def write_atomic(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, fsync, rename into place, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)  # streams as it serialises: no second in-memory copy of the checkpoint
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        e.filename = e.filename or str(path)  # which file the full disk refused (pipeline.preflight)
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power cut
+    finally:
+        os.close(fd)
+
+
+class HostCopy:
+    """Copies a checkpoint's tensors to host memory; on CUDA into pinned buffers kept for the next save."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+
+    def __call__(self, obj):
+        self.i, self.cuda = 0, False
+        out = self._copy(obj)
+        if self.cuda:
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies are complete
+        return out
+
+    def _copy(self, obj):
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if isinstance(obj, dict):  # (OrderedDict state dicts keep their type)
+            return type(obj)((k, self._copy(v)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+            return type(obj)(self._copy(v) for v in obj)
+        if isinstance(obj, np.ndarray):
+            return obj.copy()
+        return obj  # numbers, strings, config objects: not changed by the steps that follow
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.clone()  # the next step changes parameters and optimizer state in place
+        self.cuda = True
+        i, self.i = self.i, self.i + 1
+        buf = self.buffers[i] if i < len(self.buffers) else None
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if i < len(self.buffers):
+                self.buffers[i] = buf
+            else:
+                self.buffers.append(buf)
+        return buf.copy_(t, non_blocking=True)
+
+
+class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: weights_only, always
+    """See the module contract. `log`: where the per-checkpoint line goes (stderr)."""
+
+    def __init__(self, log: Callable[[str], None] | None = None):
+        super().__init__()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-checkpoint")
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self._after: list[Callable[[], None]] = []
+        self._writing = False  # a write is in flight and has not yet taken its after_write actions
+        self._copy = HostCopy()
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.stalls: list[float] = []  # training's wait per save, in seconds (tests and benches read it)
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        t0 = time.perf_counter()
+        self.wait()  # a second save waits for the first one's write, and only for it
+        if not st.is_local(str(path)):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        waited = time.perf_counter() - t0
+        host = self._copy(checkpoint)
+        stall = time.perf_counter() - t0
+        self.stalls.append(stall)
+        path = Path(str(path).removeprefix("file://"))
+        with self._lock:
+            self._writing = True
+            self._pending = self._pool.submit(self._write, host, path, stall, waited)
+
+    def _write(self, host, path: Path, stall: float, waited: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            write_atomic(host, path)
+        finally:
+            with self._lock:
+                after, self._after, self._writing = self._after, [], False
+        for fn in after:
+            fn()
+        prior = f" ({waited:.2f} s of it for the previous write)" if waited >= 0.01 else ""
+        self.log(f"train: checkpoint {path.name} written: training waited {stall:.2f} s{prior} to copy it to host "
+                 f"memory; the write behind it took {time.perf_counter() - t0:.1f} s")
+
+    def after_write(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once the write in flight is in place (now when there is none)."""
+        with self._lock:
+            if self._writing:
+                self._after.append(fn)
+                return
+        fn()
+
+    def remove_checkpoint(self, path) -> None:
+        self.after_write(lambda: super(AsyncCheckpointIO, self).remove_checkpoint(path))
+
+    def wait(self) -> None:
+        """Until the last write is in place; raises its error, if it failed."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def teardown(self) -> None:
+        self.wait()
+
+
+class LinkAfterWrite(ModelCheckpoint):
+    """ModelCheckpoint whose `last.ckpt` link is made once the step file it names is written (AsyncCheckpointIO),
+    so that a crash during a write leaves the link on the previous, complete checkpoint."""
+
+    def _link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if trainer.is_global_zero and isinstance(io, AsyncCheckpointIO):
+            io.after_write(lambda: _relink(filepath, linkpath))
+            trainer.strategy.barrier()
+        else:
+            super()._link_checkpoint(trainer, filepath, linkpath)
+
+
+def _relink(filepath: str, linkpath: str) -> None:
+    """Point `linkpath` at `filepath` in one rename (a new link beside it, then os.replace)."""
+    if os.path.abspath(filepath) == os.path.abspath(linkpath):
+        return
+    tmp = f"{linkpath}.tmp-link"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+    os.replace(tmp, linkpath)
+
+
+def wait_for_checkpoints(trainer, sync: bool = False) -> None:
+    """The last checkpoint write is in place (a no-op for another CheckpointIO). `sync`: then a barrier, so that
+    every rank sees what rank 0 wrote (its last.ckpt link): a decision taken on each rank from the files on disk
+    (stages/progress.save_final) is the same on all of them. Every rank must call it with sync."""
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    if isinstance(io, AsyncCheckpointIO):
+        io.wait()
+    if sync and trainer.world_size > 1:
+        trainer.strategy.barrier()

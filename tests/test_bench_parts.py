@@ -1,0 +1,134 @@
+"""bench/device_run.sh's parts cannot rot (issue 31 item 5): every part is built by one function in bench/parts.py,
+shared by the GPU run and its CPU smoke run; each part runs here at its tiny size (slow), and the fast tests check
+the registry, the command lines and the runner."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.parts import PARTS, Ctx, Step  # noqa: E402
+from bench.parts_run import run_steps, wait_detached  # noqa: E402
+
+# parts that need an earlier part's results in the same OUT (as bench/device_run.sh's usage lines run them)
+AFTER = {"ddpopts": "e2emfu", "tau-collect": "tau-start"}
+
+
+def steps_of(name: str, out: Path, tiny: bool) -> list[Step]:
+    flat = []
+    for s in PARTS[name](Ctx(out, tiny)):
+        flat += s if isinstance(s, list) else [s] if isinstance(s, Step) else []
+    return flat
+
+
+def test_every_part_named_by_device_run_sh_is_in_the_registry():
+    """A part added to the shell script's case (or its usage lines) instead of bench/parts.py has no smoke run."""
+    text = (ROOT / "bench/device_run.sh").read_text()
+    case = text[text.index("case $part in"):text.index("esac")]
+    labels = set(re.findall(r"^\s+([A-Za-z0-9_-]+)\)", case, re.M))
+    assert labels == {"smoke"}, f"port these parts to bench/parts.py: {sorted(labels - {'smoke'})}"
+    named = {p for line in re.findall(r"device_run\.sh ([^(\n]+)", text) for p in line.split() if not p.startswith("(")}
+    named -= {"smoke"}
+    assert named and named <= set(PARTS), sorted(named - set(PARTS))
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_each_part_builds_commands_of_real_scripts_and_options(tiny, tmp_path):
+    """Every bench script exists and declares every option its command passes; at the tiny size nothing is written
+    outside OUT (the GPU size writes scratch under /tmp, results under OUT)."""
+    for name in PARTS:
+        steps = steps_of(name, tmp_path, tiny)
+        assert steps or name == "tau-collect", name
+        for s in steps:
+            scripts = [a for a in s.argv if a.startswith("bench/") and a.endswith(".py")]
+            for script in scripts:
+                src = (ROOT / script).read_text()
+                for mod in re.findall(r"^from (?:bench\.)?(\w+) import", src, re.M):  # options a helper declares
+                    src += (ROOT / "bench" / f"{mod}.py").read_text() if (ROOT / "bench" / f"{mod}.py").exists() else ""
+                for opt in (a.split("=")[0] for a in s.argv if a.startswith("--")):
+                    assert f'"{opt}"' in src or opt in ("--collect-only",), f"{name}: {script} has no option {opt}"
+            if tiny:
+                for a in s.argv:
+                    if a.startswith("/") and not a.startswith(sys.executable):
+                        assert a.startswith(str(tmp_path)) or a.startswith(str(ROOT)), f"{name} writes {a} outside OUT"
+                assert "--collect-only" in s.argv or "-m" not in s.argv or "pytest" not in s.argv
+
+
+def test_tiny_and_gpu_sizes_are_the_same_command_but_for_sizes(tmp_path):
+    """The tiny size changes sizes and the device, never the script or the options under test."""
+    for name in ("e2emfu", "ddpopts", "trainbench", "extract35", "tinyrate"):
+        gpu, tiny = steps_of(name, tmp_path, False), steps_of(name, tmp_path, True)
+        assert [s.argv[1:3] for s in gpu] == [s.argv[1:3] for s in tiny], name
+        assert any(g.argv != t.argv for g, t in zip(gpu, tiny)), name
+    argv = steps_of("ddpopts", tmp_path, False)[0].argv
+    assert "0,1@train.ddp_gradient_as_bucket_view=true@train.ddp_bucket_cap_mb=100" in argv and "--reuse" in argv
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_train_e2e_passes_every_set_on_cuda_and_cpu(cuda):
+    """bench/train_e2e.py once dropped every --set when CUDA was present (`a if c else b + sets`)."""
+    from bench.train_e2e import train_command
+
+    sets = ["target.name=bench", "train.max_steps=3", "train.ddp_bucket_cap_mb=100"]
+    cmd = train_command("cfg.yaml", Path("/s.zarr"), "0,1", sets, cuda)
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"] == sets
+    assert cmd[cmd.index("--gpus" if cuda else "--devices") + 1] == ("0,1" if cuda else "2")
+    assert cmd[:5] == [sys.executable, "-m", "stages.cli", "train", "--config"]
+
+
+def test_runner_fails_a_part_on_a_failed_step_a_limit_or_a_summary_error(tmp_path, capsys):
+    py = sys.executable
+    ok = Step([py, "-c", "print('one'); print('two')"], "ok.log", show=1)
+    assert run_steps([ok], tmp_path) == 0
+    assert (tmp_path / "ok.log").read_text() == "one\ntwo\n" and capsys.readouterr().out.strip() == "two"
+    assert run_steps([Step([py, "-c", "import sys; sys.exit(3)"], "bad.log")], tmp_path) == 1
+    assert "FAILED (exit 3)" in capsys.readouterr().out
+    slow = Step([py, "-c", "import time; time.sleep(60)"], "slow.log", timeout=1)
+    assert run_steps([slow], tmp_path) == 1 and "stopped at its limit of 1 s" in capsys.readouterr().out
+
+    def broken():
+        raise ValueError("no rows")
+    assert run_steps([broken], tmp_path) == 1 and "ValueError: no rows" in capsys.readouterr().err
+
+
+def test_runner_copies_results_runs_groups_side_by_side_and_collects_a_detached_step(tmp_path):
+    py = sys.executable
+    src = tmp_path / "src.jsonl"
+    writer = Step([py, "-c", f"open({str(src)!r}, 'w').write('row\\n')"], "w.log", copy=[(src, tmp_path / "dst.jsonl")])
+    pair = [Step([py, "-c", f"open({str(tmp_path / f'p{i}')!r}, 'w').write('x')"], f"p{i}.log") for i in (0, 1)]
+    assert run_steps([writer, pair], tmp_path) == 0
+    assert (tmp_path / "dst.jsonl").read_text() == "row\n" and (tmp_path / "p0").exists() and (tmp_path / "p1").exists()
+    bg = Step([py, "-c", "import time; time.sleep(1); print('bg done')"], str(tmp_path / "bg.log"), detach=True)
+    assert run_steps([bg], tmp_path) == 0 and (tmp_path / "bg.log.pid").exists()
+    assert wait_detached(tmp_path / "bg.log", 120) and (tmp_path / "bg.log").read_text() == "bg done\n"
+
+
+def test_device_run_sh_dispatches_to_the_registry(tmp_path):
+    r = subprocess.run(["bash", "bench/device_run.sh", "no-such-part"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path)}, timeout=300)
+    assert "unknown part no-such-part; the parts: " in r.stdout and "e2emfu" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [p for p in PARTS if p not in AFTER.values()])
+def test_part_runs_at_its_tiny_size_on_the_cpu(name, tmp_path):
+    """What `bash bench/device_run.sh smoke` runs, one part at a time: exit 0 and every --out file written."""
+    names = [AFTER[name], name] if name in AFTER else [name]
+    r = subprocess.run([sys.executable, "-m", "bench.parts", "run", "--tiny", *names], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}, timeout=1800)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    for n in names:
+        for s in steps_of(n, tmp_path, True):
+            outs = [s.argv[i + 1] for i, a in enumerate(s.argv[:-1]) if a == "--out" and s.argv[i + 1].endswith(".json")]
+            for o in outs:
+                assert Path(o).is_file(), f"{n}: {o} not written\n{r.stdout[-3000:]}"
+            for _src, dst in s.copy:  # a study's rows reached OUT
+                assert Path(dst).exists(), f"{n}: {dst} not copied\n{r.stdout[-3000:]}"

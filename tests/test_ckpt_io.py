@@ -1,0 +1,160 @@
+"""Checkpoints off the critical path (stages/train_ckpt_io.py): a save returns after a host copy, the write runs
+behind it, a second save waits for the first only, a failed or killed write leaves the previous file whole, and
+last.ckpt's link and the replaced step file's removal follow the write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import stages.train_ckpt_io as io_mod  # noqa: E402
+from stages.train_ckpt_io import AsyncCheckpointIO, _relink  # noqa: E402
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Writes wait until the test opens the gate; `started` is set when one begins."""
+    opened, started, real = threading.Event(), threading.Event(), io_mod.write_atomic
+
+    def gated(obj, path):
+        started.set()
+        assert opened.wait(120), "the test never opened the gate"
+        real(obj, path)
+    monkeypatch.setattr(io_mod, "write_atomic", gated)
+    return opened, started
+
+
+def ckpt(value: float) -> dict:
+    return {"state_dict": {"w": torch.full((4, 4), value)}, "global_step": int(value), "loops": [{"n": [1, 2]}]}
+
+
+def test_a_save_returns_before_its_write_and_writes_the_state_of_its_call(tmp_path, gate):
+    opened, started = gate
+    lines: list[str] = []
+    io = AsyncCheckpointIO(log=lines.append)
+    state, path = ckpt(1.0), tmp_path / "step1.ckpt"
+    io.save_checkpoint(state, path)
+    assert started.wait(60) and not path.exists()  # the write is behind the save
+    state["state_dict"]["w"].fill_(7.0)  # the next training step changes the weights in place
+    state["loops"][0]["n"].append(3)
+    opened.set()
+    io.wait()
+    got = torch.load(path, weights_only=True)
+    assert torch.equal(got["state_dict"]["w"], torch.full((4, 4), 1.0)) and got["loops"] == [{"n": [1, 2]}]
+    assert len(io.stalls) == 1 and len(lines) == 1 and lines[0].startswith("train: checkpoint step1.ckpt written: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step1.ckpt"]  # no temporary file left
+
+
+def test_a_second_save_waits_for_the_first_write_only(tmp_path, gate):
+    opened, started = gate
+    io = AsyncCheckpointIO(log=lambda s: None)
+    io.save_checkpoint(ckpt(1.0), tmp_path / "a.ckpt")
+    assert started.wait(60)
+    second_done = threading.Event()
+    t = threading.Thread(target=lambda: (io.save_checkpoint(ckpt(2.0), tmp_path / "b.ckpt"), second_done.set()))
+    t.start()
+    assert not second_done.wait(0.5)  # still waiting for the first write (the gate is shut)
+    opened.set()
+    t.join(120)
+    assert second_done.is_set() and (tmp_path / "a.ckpt").exists()
+    io.wait()
+    assert torch.load(tmp_path / "b.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_a_failed_write_keeps_the_previous_file_and_raises_at_the_next_wait(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    io = AsyncCheckpointIO(log=lambda s: None)
+    io.save_checkpoint(ckpt(1.0), path)
+    io.wait()
+    real_save = torch.save
+
+    def disk_full(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(io_mod.torch, "save", disk_full)
+    io.save_checkpoint(ckpt(2.0), path)
+    with pytest.raises(OSError, match="No space left"):
+        io.wait()
+    monkeypatch.setattr(io_mod.torch, "save", real_save)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+KILLED_WRITER = r"""
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from stages.train_ckpt_io import AsyncCheckpointIO
+
+class Slow:  # pickled halfway through the checkpoint: the write stalls there until the process is killed
+    def __reduce__(self):
+        open(sys.argv[1] + ".writing", "w").close()
+        time.sleep(600)
+        return (int, (0,))
+
+io = AsyncCheckpointIO(log=lambda s: None)
+io.save_checkpoint({"global_step": 1, "w": torch.ones(1000)}, sys.argv[1])
+io.wait()
+io.save_checkpoint({"global_step": 2, "w": torch.zeros(1000), "slow": Slow(), "after": torch.ones(100000)}, sys.argv[1])
+io.wait()
+"""
+
+
+@pytest.mark.slow  # a subprocess importing torch and Lightning
+def test_a_process_killed_during_a_write_leaves_the_previous_checkpoint_readable(tmp_path):
+    path = tmp_path / "last.ckpt"
+    p = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path), str(ROOT)])
+    marker = Path(f"{path}.writing")
+    deadline = time.monotonic() + 600  # a hang guard, not a speed requirement
+    while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), f"the writer did not reach its second write (exit {p.poll()})"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    got = torch.load(path, weights_only=True)  # what --resume reads
+    assert got["global_step"] == 1 and torch.equal(got["w"], torch.ones(1000))
+
+
+def test_the_last_link_and_the_removal_of_the_replaced_file_follow_the_write(tmp_path, gate):
+    opened, started = gate
+    io = AsyncCheckpointIO(log=lambda s: None)
+    old, new, last = tmp_path / "step3.ckpt", tmp_path / "step6.ckpt", tmp_path / "last.ckpt"
+    torch.save(ckpt(3.0), old)
+    _relink(str(old), str(last))
+    io.save_checkpoint(ckpt(6.0), new)
+    assert started.wait(60)
+    io.after_write(lambda: _relink(str(new), str(last)))  # what LinkAfterWrite queues
+    io.remove_checkpoint(str(old))  # what ModelCheckpoint asks for next (save_top_k=1)
+    assert os.readlink(last) == "step3.ckpt" and old.exists()  # a crash now: resume reads step 3
+    opened.set()
+    io.wait()
+    assert os.readlink(last) == "step6.ckpt" and not old.exists()
+    assert torch.load(last, weights_only=True)["global_step"] == 6
+    ran = []
+    io.after_write(lambda: ran.append(1))  # nothing in flight: at once
+    assert ran == [1]
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_go_to_pinned_buffers_reused_by_the_next_save():
+    """On CUDA the host copy lands in pinned memory (a fast device-to-host copy) and the next save reuses it."""
+    from stages.train_ckpt_io import HostCopy
+
+    copy = HostCopy()
+    w = torch.randn(1024, 1024, device="cuda")
+    first = copy({"state_dict": {"w": w}, "step": 1})
+    assert first["state_dict"]["w"].is_pinned() and torch.equal(first["state_dict"]["w"], w.cpu())
+    buf = first["state_dict"]["w"].data_ptr()
+    w.add_(1.0)
+    second = copy({"state_dict": {"w": w}, "step": 2})
+    assert second["state_dict"]["w"].data_ptr() == buf and torch.equal(second["state_dict"]["w"], w.cpu())

@@ -1,0 +1,142 @@
+"""A quiet, useful log (issue 31 item 4): `dflash train` and `dflash demo` print dflash's own lines on stderr and
+nothing else; an expected recompile is one dflash line, an unexpected one still prints dynamo's whole dump."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers_cli import TINY, dflash
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# the prefixes of dflash's own stderr lines in these commands (anything else is a third-party line: a failure)
+OWN = ("train: ", "demo [", "demo: ", "regenerate: ", "ingest: ", "extract: ", "eval: ", "export: ", "online: ",
+       "offline: ")
+
+
+def unexpected_lines(stderr: str) -> list[str]:
+    """Lines that are not dflash's; an indented line continues the line before it (and shares its verdict)."""
+    bad, own = [], True
+    for x in stderr.splitlines():
+        if x.strip() and not (x.startswith("  ") and own):
+            own = x.startswith(OWN)
+            if not own:
+                bad.append(x)
+    return bad
+
+
+# a recompile of a drafter layer as torch 2.13 printed it in a CPU run with train.compile=on (2026-12-01)
+LAYER_TYPE_DUMP = """Recompiling function forward in /x/pipeline/drafter.py:211
+    triggered by the following guard failure(s):
+    - 0/4: self.layer_type == 'sliding_attention'                   # mask = masks[layer_type]  # pipeline/masks.py:350 in attend_sdpa
+    - User stack trace:
+    -   File "/x/pipeline/drafter.py", line 212, in forward
+    -     h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, attend, self.layer_type)
+    - 0/3: GLOBAL_STATE changed: grad_mode 
+    - 0/0: GLOBAL_STATE changed: grad_mode """
+
+
+def test_expected_recompiles_are_named_and_others_are_not():
+    from pipeline.quiet_log import expected_recompile
+
+    assert expected_recompile(LAYER_TYPE_DUMP) == ["another layer type", "grad mode (validation runs without gradients)"]
+    other = LAYER_TYPE_DUMP.replace("self.layer_type == 'sliding_attention'", "L['step'] == 3")
+    assert expected_recompile(other) is None
+    assert expected_recompile("Recompiling function f in x.py:1\n    triggered by the following guard failure(s):") is None
+
+
+def test_a_real_dynamo_recompile_is_one_line_when_expected_and_the_whole_dump_when_not(capsys):
+    """Through dynamo itself (eager backend): requires_grad, shape and grad-mode recompiles become one `train:`
+    line each; a recompile on a changed Python value reaches torch's handlers unchanged."""
+    import torch
+
+    from pipeline.compile_setup import loud_recompiles
+    from pipeline.quiet_log import quiet_third_party
+
+    loud_recompiles()
+    quiet_third_party()
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    log = logging.getLogger("torch._dynamo.guards.__recompiles")
+    keep = Keep()
+    log.addHandler(keep)
+    try:
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w, self.act = torch.nn.Linear(4, 4), "relu"
+
+            def forward(self, x):
+                return self.w(x).relu() if self.act == "relu" else self.w(x)
+
+        m = Layer()
+        m.compile(backend="eager")
+        m(torch.randn(2, 4))
+        m(torch.randn(2, 4, requires_grad=True))
+        m(torch.randn(3, 4, requires_grad=True))
+        with torch.no_grad():
+            m(torch.randn(3, 4))
+        assert seen == []  # every one so far was expected: none reached a handler
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.startswith("train: recompiling forward in ")]
+        assert len(lines) == 3 and all(x.endswith("(expected)") for x in lines), err
+        assert "requires_grad" in lines[0] and "new shapes" in lines[1] and "grad mode" in lines[2], lines
+        m.act = "none"  # a Python value the graph baked in: not one of the layer's variants (the call is
+        m(torch.randn(5, 4, requires_grad=True))  # otherwise the third one's variant: its entry fails on `act`)
+        assert len(seen) == 1 and "triggered by the following guard failure(s)" in seen[0], seen
+        assert "recompiling" not in capsys.readouterr().err
+    finally:
+        log.removeHandler(keep)
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_train_prints_only_its_own_lines(tiny_store, tmp_path):
+    """Validation, step checkpoints, loader workers, the final checkpoint and the export: Lightning's banner,
+    tips, summary and warnings are gone; what is left is dflash's."""
+    run = tmp_path / "run"
+    r = dflash("train", "--config", TINY, "--store", tiny_store, "--set", f"train.run_dir={run}", "--set",
+               "train.max_steps=8", "--set", "train.val_every=4", "--set", "train.checkpoint_every=4", "--set",
+               "train.log_every=4", "--set", "train.num_workers=1")
+    assert unexpected_lines(r.stderr) == [], r.stderr
+    assert "train: drafter 0.44M parameters (dflash), on 1 CPU process(es), precision 32-true" in r.stderr
+    assert re.search(r"train: first batch done .* s after start", r.stderr) and (run / "export").is_dir()
+    assert r.stdout.strip() == ""  # Lightning's model summary table is gone too
+    # checkpoints are written behind training, each saying how long training waited for it
+    assert re.search(r"train: checkpoint step4\.ckpt written: training waited [0-9.]+ s", r.stderr), r.stderr
+
+
+@pytest.mark.slow
+def test_demo_prints_only_its_own_lines(tmp_path):
+    """`dflash demo`, every stage, on a slice of tiny-chat (the full demo takes ~5 minutes)."""
+    chat = ROOT / "data" / "assets" / "tiny-chat"
+    for name, n in (("train.jsonl", 96), ("validation.jsonl", 24)):
+        (tmp_path / name).write_text("".join((chat / name).read_text().splitlines(True)[:n]))
+    r = dflash("demo", "--out", str(tmp_path / "demo"), "--set", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+               "--set", f"data.validation_files=[{tmp_path / 'validation.jsonl'}]", "--set", "train.epochs=1",
+               "--set", "train.val_every=6", "--set", "eval.num_prompts=4")
+    assert unexpected_lines(r.stderr) == [], r.stderr
+    assert "dflash demo: done in" in r.stdout and (tmp_path / "demo" / "demo.json").is_file()
+
+
+@pytest.mark.slow
+def test_ddp_train_prints_only_its_own_lines(tiny_store, tmp_path):
+    """Two gloo ranks, a step checkpoint at the last step (written behind training, its last.ckpt link after it):
+    no rank trips in a collective the other skipped (rank 1's traceback would show here), nothing third-party."""
+    run = tmp_path / "run"
+    r = dflash("train", "--config", TINY, "--store", tiny_store, "--devices", "2", "--no-export", "--set",
+               f"train.run_dir={run}", "--set", "train.max_steps=4", "--set", "train.checkpoint_every=2", "--set",
+               "train.val_every=100000", "--set", "train.num_workers=0")
+    assert unexpected_lines(r.stderr) == [], r.stderr
+    assert sorted(re.findall(r"^train: first batch done [0-9.]+ s after start on rank ([01])", r.stderr, re.M)) == \
+        ["0", "1"], r.stderr
+    assert (run / "checkpoints" / "last.ckpt").resolve().name == "step4.ckpt"
