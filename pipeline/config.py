@@ -151,6 +151,10 @@ class TrainConfig:
     # a finished store's epoch: 0 = batches of the plain shuffled order; N > 0 = sorted by length inside windows
     # of batch_size * N shuffled samples (less padding when batch_size > 1, but lower tau: docs/benchmarks.md)
     length_group_factor: int = 0
+    # sequence packing (data/packing.py): several samples share one row of up to pack_tokens tokens (None:
+    # data.max_length), each seeing only itself; turn on when most samples are much shorter than pack_tokens
+    packing: bool = False
+    pack_tokens: Optional[int] = None
     # DistributedDataParallel's own options (torch's defaults; issue 22 measures them in bench/device_run.sh ddpopts)
     ddp_bucket_cap_mb: float = 25.0  # gradient bucket size of the all-reduce
     ddp_gradient_as_bucket_view: bool = False  # gradients are views into the buckets: no copy, less memory
@@ -349,6 +353,10 @@ def _validate(cfg: Config) -> None:
     if cfg.train.length_group_factor < 0:
         raise ConfigError(f"{src}: train.length_group_factor must be 0 (no grouping by length) or more (batches "
                           "per length-sorted window)")
+    if cfg.train.pack_tokens is not None and cfg.train.pack_tokens < cfg.data.max_length:
+        raise ConfigError(f"{src}: train.pack_tokens ({cfg.train.pack_tokens}) is below data.max_length "
+                          f"({cfg.data.max_length}): a sample of max_length tokens must fit one packed row; raise "
+                          "pack_tokens or leave it unset (= data.max_length)")
     if not 0.0 <= cfg.data.validation_fraction < 1.0:
         raise ConfigError(f"{src}: data.validation_fraction must be in [0, 1)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:
@@ -481,6 +489,12 @@ def anchors_per_token(cfg: Config) -> Optional[float]:
     if t.anchor_rule != "proportional":
         return None
     return t.anchors_per_token if t.anchors_per_token is not None else min(1.0, t.num_anchors / cfg.data.max_length)
+
+
+def pack_tokens(cfg: Config) -> Optional[int]:
+    """Tokens per packed row with train.packing on (train.pack_tokens, default data.max_length); None when off."""
+    t = cfg.train
+    return (t.pack_tokens or cfg.data.max_length) if t.packing else None
 
 
 def gamma_for_block(block_size: int) -> float:
