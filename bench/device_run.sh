@@ -13,6 +13,8 @@
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
 #   FT_SEEDS=8 FT_DELAY=3 bash bench/device_run.sh followtau                 (issue 17's tau pairs on host CPUs, 800 samples;
 #        the full 3,236 with a 3 s delay per batch did not finish a pair in 8 min)
+#   PM_MIXES=chat bash bench/device_run.sh packmfu; PM_MIXES=long bash bench/device_run.sh packmfu    (issue 28 item 4)
+#   PT_SEEDS=0..7 PT_JOBS=16 bash bench/device_run.sh packtau               (issue 28 item 3: packing's tau pairs, CPUs)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
 [ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
@@ -136,6 +138,28 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
         --new-tokens ${REGEN_NEW:-256} --out "$OUT/regen.json" > "$OUT/regen.log" 2>&1; grep -v "^\[transformers\]" "$OUT/regen.log" | tail -9 ;;
     long)  # issue 19.6: one training step of the 27B drafter at 2K/8K/16K tokens per sample: peak memory, step time
       python3 bench/long_bench.py --steps 5 --out "$OUT/long.json" 2>&1 | grep -v "Warning\|warn(" | tail -8 ;;
+    packtau)  # issue 28 item 3: packed vs plain tau pairs (bench/pack_tau.py) on the host's CPUs, PT_SEEDS pairs,
+              # PT_JOBS runs at once, PT_EPOCHS epochs; PT_SET: one more training override (the suite's smoke run)
+      ( while sleep 15; do cp /tmp/packtau/results.jsonl "$OUT/packtau_results.jsonl" 2>/dev/null; done ) & copier=$!
+      timeout ${PT_LIMIT:-560} python3 bench/pack_tau.py --out ${PT_DIR:-/tmp/packtau} --seeds ${PT_SEEDS:-0..7} \
+        --set train.epochs=${PT_EPOCHS:-1} ${PT_SET:+--set $PT_SET} --jobs ${PT_JOBS:-16} --threads 1 --cpu \
+        > "$OUT/packtau.log" 2>&1
+      tail -12 "$OUT/packtau.log"
+      kill $copier; cp ${PT_DIR:-/tmp/packtau}/results.jsonl "$OUT/packtau_results.jsonl" ;;
+    packmfu)  # issue 28 item 4 (1 GPU, ~4 min a mix; PM_MIXES=chat and PM_MIXES=long fit one call each): 27B-shape
+              # stores of a length mix (chat: mean ~1K, max_length 3072; long: mean ~4.5K, max 8K), `dflash train`
+              # PM_STEPS steps without then with packing (pack_tokens = max_length), accumulation 1; prints
+              # samples/s, tokens/s and MFU of useful FLOPs only (goal >= 62% on both mixes). PM_ARGS: more
+              # bench/train_e2e.py options (the suite's CPU smoke run: the tiny shape)
+      for mix in ${PM_MIXES:-chat long}; do
+        if [ "$mix" = long ]; then ml=8192; else ml=3072; fi
+        timeout ${PM_LIMIT:-290} python3 bench/train_e2e.py --root ${PM_ROOT:-/tmp/pm}-$mix --mix $mix \
+          --samples ${PM_SAMPLES:-96} --steps ${PM_STEPS:-55} --cold-steps ${PM_STEPS:-55} --set data.max_length=$ml \
+          --set train.accumulate_grad_batches=1 ${PM_ARGS:-} --gpus 0 "0@train.packing=true" \
+          --out "$OUT/packmfu_$mix.json" > "$OUT/packmfu_$mix.log" 2>&1
+        grep -E "first batch done|Error|error" "$OUT/packmfu_$mix.log" | head -6; tail -5 "$OUT/packmfu_$mix.log"
+        rm -rf ${PM_ROOT:-/tmp/pm}-$mix
+      done ;;
     *) echo "unknown part $part" ;;
   esac
 done
