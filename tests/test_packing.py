@@ -184,3 +184,46 @@ def test_config_keys():
         load_config(None, ["train.packing=true", "train.pack_tokens=100", "data.max_length=200"])
     with pytest.raises(ConfigError, match="packin"):
         load_config(None, ["train.packin=true"])  # unknown keys are refused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_packed_flex_on_gpu_matches_sdpa_and_create_block_mask(layer_type):
+    """On CUDA: the compiled BlockMask builder of a packed batch equals create_block_mask of the doc-id predicate,
+    and compiled flex with it gives SDPA's output and gradients (bf16) for a packed row, dense anchors included."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from pipeline.masks import _pad_anchors, dflash_mask_mod, doc_starts, flex_block_mask, padded_len
+
+    g = torch.Generator().manual_seed(1)
+    Hd = 64
+    d = tiny_drafter(target_layer_ids=[1, 2, 3], layer_types=[layer_type] * 2, sliding_window=96, block_size=16,
+                     hidden_size=Hd, intermediate_size=128, head_dim=16).cuda().to(torch.bfloat16)
+    docs = [_doc(n, g, dense, hidden=Hd) for n, dense in [(300, True), (9, False), (180, False), (140, True)]]
+    batch = {k: (v.cuda() if torch.is_tensor(v) else v)
+             for k, v in collate_packed(docs, pack_tokens=400, pad_multiple=128, anchor_multiple=8).items()}
+    B, S = batch["tokens"].shape
+    A = batch["anchors"].shape[1]
+    window = 96 if layer_type == "sliding_attention" else None
+    got = flex_block_mask(batch["anchors"], 16, S, batch["seq_lens"], window, doc_ids=batch["doc_ids"])
+    q_len = padded_len(A * 16)
+    mod = dflash_mask_mod(_pad_anchors(batch["anchors"], 16, q_len), batch["seq_lens"], S, 16, window, batch["doc_ids"])
+    ref = create_block_mask(mod, B, None, q_len, padded_len(S + q_len), device="cuda")
+    assert torch.equal(got.to_dense(), ref.to_dense())
+    embed = torch.randn(50, Hd, device="cuda", dtype=torch.bfloat16)
+    probe = torch.randn(B, A * 16, Hd, device="cuda")
+    out = {}
+    for kind in ("sdpa", "flex"):
+        d.zero_grad(set_to_none=True)
+        blocks = build_blocks(batch["tokens"], batch["loss_mask"], batch["anchors"], 16, 3, 7.0, batch["doc_ids"])
+        attend = make_attend(kind, anchors=batch["anchors"], block_size=16, ctx_len=S, layer_types=d.arch.layer_types,
+                             sliding_window=d.arch.sliding_window, seq_lens=batch["seq_lens"], doc_ids=batch["doc_ids"])
+        ctx_pos = torch.arange(S, device="cuda").expand(B, S) - doc_starts(batch["doc_ids"])
+        h = d(F.embedding(blocks.input_ids, embed), d.project_context(batch["features"].to(torch.bfloat16)),
+              blocks.positions, ctx_pos, attend)
+        (h.float() * probe).sum().backward()
+        out[kind] = (h.detach().float(), {n: p.grad.detach().float().clone() for n, p in d.named_parameters()})
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-12))  # noqa: E731
+    assert rel(out["flex"][0], out["sdpa"][0]) < 2e-2
+    for n, gr in out["sdpa"][1].items():
+        assert rel(out["flex"][1][n], gr) < 5e-2, n
