@@ -194,7 +194,8 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
     _until(lambda: log.exists() and "train: waiting for extraction" in log.read_text(), "training to wait", t)
     assert _lines(run, 0) and _lines(run, 1), "training did not start on the committed samples"
     x = _cli(*extract, env=slow)  # extraction resumes: so does training
-    _until(lambda: len(_lines(run, 0)) >= 20 and (run / "checkpoints" / "last.ckpt").exists(), "training to go on", t)
+    going = 10 if packing else 20  # packed epochs after the stream's are short (~8 samples a row): stop inside the stream
+    _until(lambda: len(_lines(run, 0)) >= going and (run / "checkpoints" / "last.ckpt").exists(), "training to go on", t)
     os.killpg(t.pid, signal.SIGINT)  # Ctrl-C of the training; extraction goes on
     assert t.wait(timeout=LONG) == 130, t.stderr.read()[-3000:]
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
