@@ -139,10 +139,12 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
     long)  # issue 19.6: one training step of the 27B drafter at 2K/8K/16K tokens per sample: peak memory, step time
       python3 bench/long_bench.py --steps 5 --out "$OUT/long.json" 2>&1 | grep -v "Warning\|warn(" | tail -8 ;;
     packtau)  # issue 28 item 3: packed vs plain tau pairs (bench/pack_tau.py) on the host's CPUs, PT_SEEDS pairs,
-              # PT_JOBS runs at once, PT_EPOCHS epochs; PT_SET: one more training override (the suite's smoke run)
-      ( while sleep 15; do cp /tmp/packtau/results.jsonl "$OUT/packtau_results.jsonl" 2>/dev/null; done ) & copier=$!
+              # PT_JOBS runs at once, PT_EPOCHS epochs; PT_SET / PT_EXTRACT_SET: one more training / extraction
+              # override (the suite's smoke run)
+      ( while sleep 15; do cp ${PT_DIR:-/tmp/packtau}/results.jsonl "$OUT/packtau_results.jsonl" 2>/dev/null; done ) & copier=$!
       timeout ${PT_LIMIT:-560} python3 bench/pack_tau.py --out ${PT_DIR:-/tmp/packtau} --seeds ${PT_SEEDS:-0..7} \
-        --set train.epochs=${PT_EPOCHS:-1} ${PT_SET:+--set $PT_SET} --jobs ${PT_JOBS:-16} --threads 1 --cpu \
+        --set train.epochs=${PT_EPOCHS:-1} ${PT_SET:+--set $PT_SET} ${PT_EXTRACT_SET:+--extract-set $PT_EXTRACT_SET} \
+        --jobs ${PT_JOBS:-16} --threads 1 --cpu \
         > "$OUT/packtau.log" 2>&1
       tail -12 "$OUT/packtau.log"
       kill $copier; cp ${PT_DIR:-/tmp/packtau}/results.jsonl "$OUT/packtau_results.jsonl" ;;

@@ -75,10 +75,10 @@ def test_packmfu_part_at_tiny_size(tmp_path):
     assert "MFU" in r.stdout and "samples/s" in r.stdout
 
 
-@pytest.mark.slow  # the tiny target's reference store, then one packed and one plain drafter, 2 steps each: minutes
+@pytest.mark.slow  # a 120-sample tiny store, then one packed and one plain drafter, 2 steps each, evaluated: minutes
 def test_packtau_part_one_seed_at_tiny_size(tmp_path):
     r = _part("packtau", tmp_path, {"PT_SEEDS": "0", "PT_JOBS": "2", "PT_SET": "train.max_steps=2",
-                                    "PT_DIR": str(tmp_path / "pt")})
+                                    "PT_EXTRACT_SET": "data.max_samples=120", "PT_DIR": str(tmp_path / "pt")})
     rows = [json.loads(x) for x in (tmp_path / "out" / "packtau_results.jsonl").read_text().splitlines()]
     assert sorted(x["run"] for x in rows) == ["packed", "plain"], r.stdout[-2000:]
     assert all(x["seed"] == 0 and x["lossless"] and x["online_tau"] >= 1.0 for x in rows)
