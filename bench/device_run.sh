@@ -15,6 +15,7 @@
 #        the full 3,236 with a 3 s delay per batch did not finish a pair in 8 min)
 #   PM_MIXES=chat bash bench/device_run.sh packmfu; PM_MIXES=long bash bench/device_run.sh packmfu    (issue 28 item 4)
 #   PT_SEEDS=0..7 PT_JOBS=16 bash bench/device_run.sh packtau               (issue 28 item 3: packing's tau pairs, CPUs)
+#   bash bench/device_run.sh packtests                                       (issue 28: packed flex vs SDPA, GPU tests)
 # Needs .whl/ (zarr, numcodecs, ... from ../shared/tools/device-wheels.sh) carried along.
 set -uo pipefail
 [ -d .site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl
@@ -138,6 +139,7 @@ summarize([json.loads(x) for x in open('$OUT/follow_tau.jsonl')])" 2>&1 | tail -
         --new-tokens ${REGEN_NEW:-256} --out "$OUT/regen.json" > "$OUT/regen.log" 2>&1; grep -v "^\[transformers\]" "$OUT/regen.log" | tail -9 ;;
     long)  # issue 19.6: one training step of the 27B drafter at 2K/8K/16K tokens per sample: peak memory, step time
       python3 bench/long_bench.py --steps 5 --out "$OUT/long.json" 2>&1 | grep -v "Warning\|warn(" | tail -8 ;;
+    packtests) python3 -m pytest -q -m gpu tests/test_packing.py -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;  # issue 28
     packtau)  # issue 28 item 3: packed vs plain tau pairs (bench/pack_tau.py) on the host's CPUs, PT_SEEDS pairs,
               # PT_JOBS runs at once, PT_EPOCHS epochs; PT_SET / PT_EXTRACT_SET: one more training / extraction
               # override (the suite's smoke run)

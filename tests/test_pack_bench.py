@@ -83,3 +83,9 @@ def test_packtau_part_one_seed_at_tiny_size(tmp_path):
     assert sorted(x["run"] for x in rows) == ["packed", "plain"], r.stdout[-2000:]
     assert all(x["seed"] == 0 and x["lossless"] and x["online_tau"] >= 1.0 for x in rows)
     assert "packed" in (tmp_path / "out" / "packtau.log").read_text()
+
+
+def test_packtests_part_runs_the_gpu_tests_of_packing(tmp_path):
+    """The part the GPU host runs: here (no CUDA) its two tests are collected and skipped, not mistyped away."""
+    r = _part("packtests", tmp_path, {})
+    assert "2 skipped" in r.stdout, r.stdout[-2000:]
