@@ -353,6 +353,12 @@ def _validate(cfg: Config) -> None:
     if cfg.train.length_group_factor < 0:
         raise ConfigError(f"{src}: train.length_group_factor must be 0 (no grouping by length) or more (batches "
                           "per length-sorted window)")
+    if cfg.train.pack_tokens is not None and not cfg.train.packing:
+        raise ConfigError(f"{src}: train.pack_tokens is only used with train.packing=true; set that too, or drop "
+                          "pack_tokens")
+    if cfg.train.packing and cfg.train.length_group_factor:
+        raise ConfigError(f"{src}: train.length_group_factor={cfg.train.length_group_factor} has no effect with "
+                          "train.packing=true (rows are planned by length already); set it to 0")
     if cfg.train.pack_tokens is not None and cfg.train.pack_tokens < cfg.data.max_length:
         raise ConfigError(f"{src}: train.pack_tokens ({cfg.train.pack_tokens}) is below data.max_length "
                           f"({cfg.data.max_length}): a sample of max_length tokens must fit one packed row; raise "

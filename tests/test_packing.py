@@ -182,6 +182,10 @@ def test_config_keys():
     assert pack_tokens(load_config(None, ["train.packing=true", "train.pack_tokens=4096", "data.max_length=200"])) == 4096
     with pytest.raises(ConfigError, match="train.pack_tokens .* below data.max_length"):
         load_config(None, ["train.packing=true", "train.pack_tokens=100", "data.max_length=200"])
+    with pytest.raises(ConfigError, match="pack_tokens is only used with train.packing=true"):
+        load_config(None, ["train.pack_tokens=4096"])
+    with pytest.raises(ConfigError, match="length_group_factor=32 has no effect with train.packing"):
+        load_config(None, ["train.packing=true", "train.length_group_factor=32"])
     with pytest.raises(ConfigError, match="packin"):
         load_config(None, ["train.packin=true"])  # unknown keys are refused
 
