@@ -1,14 +1,17 @@
 """Sequence packing (`train.packing`): which samples share a row, and how a row of several documents is built.
 
 Contract:
-- The plan: `pack_rows` puts documents into rows of at most `pack_tokens` tokens by best-fit decreasing (longest
-  first, each into the fullest row it still fits; ties to the older row): a pure function of the lengths in the
-  order given, so the same documents always give the same rows. `packed_plan` is an epoch's plan for a finished
+- The plan: `pack_rows` puts documents into rows of at most `pack_tokens` tokens by best fit in the order given
+  (each into the fullest row it still fits, ties to the older row; a new row when none fits): a pure function of
+  the lengths in that order, so the same documents always give the same rows. Not decreasing: sorting a window
+  longest first (best-fit *decreasing*) fills rows best, but makes rows of alike documents (three long ones, or
+  fourteen short ones), and with the loss normalised per step that weighs long documents up, as length-grouped
+  batches did (docs/benchmarks.md: grouping cost tau; a seeded pair with the decreasing order lost 17-21% tau
+  after 1 epoch on the tiny target). In the shuffled order a row is a random mix. `packed_plan` is an epoch's plan for a finished
   store: the seeded shuffle of data/sampler.py's `window_plan`, cut into windows of `PACK_WINDOW` documents,
   each window packed, the rows cut into global batches of `batch_size` rows, the batches shuffled. Windows keep
   the epoch random (a row's documents come from one stretch of the shuffled order, not from all lengths sorted
-  at once) while leaving enough choice to fill rows (< 2% padding on the tiny store). Best-fit with a sorted list
-  of free space is O(n log n), so a million-sample epoch plans in seconds. The plan depends on seed, epoch and
+  at once) while leaving enough choice to fill rows. Best fit with a sorted list of free space is O(n log n), so a million-sample epoch plans in seconds. The plan depends on seed, epoch and
   the store only (never on the number of ranks), so data/sampler.py's rounds, resume and rank-count changes hold.
 - A following run's stream epoch (data/follow.py) knows a batch's samples only when a loader worker resolves
   them: `collate_packed` then packs that batch's documents itself with the same `pack_rows`.
@@ -33,12 +36,11 @@ PACK_WINDOW = 512  # documents per packing window
 
 
 def pack_rows(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
-    """Best-fit decreasing: positions into `lengths` grouped in rows of total length <= pack_tokens (a longer
-    document gets a row of its own). Rows in order of creation, documents in each row longest first."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    """Best fit in the given order: positions into `lengths` grouped in rows of total length <= pack_tokens (a
+    longer document gets a row of its own). Rows in order of creation, documents in each row in the given order."""
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, row index), ascending
-    for i in order:
+    for i in range(len(lengths)):
         n = lengths[i]
         k = bisect.bisect_left(free, (n, -1))  # the row with the least room that still fits n
         if k < len(free):

@@ -125,12 +125,12 @@ def test_full_loss_of_a_packed_batch_equals_the_unpacked_batch():
     assert per_row > 1 and pad_packed < padding_stats(plain)[0]
 
 
-def test_pack_rows_best_fit_decreasing():
+def test_pack_rows_best_fit_in_the_given_order():
     lengths = [5, 9, 3, 7, 2, 8, 1, 4]
     rows = pack_rows(lengths, 10)
-    assert sorted(i for r in rows for i in r) == list(range(8))
+    # each document, in order, into the fullest row it fits (not sorted first: rows stay random mixes)
+    assert rows == [[0, 2, 4], [1, 6], [3], [5], [7]]
     assert all(sum(lengths[i] for i in r) <= 10 for r in rows)
-    assert len(rows) == math.ceil(sum(lengths) / 10)  # 39 tokens in 4 rows: optimal here
     assert rows == pack_rows(lengths, 10)  # a pure function
     assert pack_rows([12, 3], 10) == [[0], [1]]  # a document longer than the budget gets its own row
 
@@ -147,7 +147,7 @@ def test_packed_plan_deterministic_world_size_independent_and_resumable():
     assert sorted(i for b in plan for r in b for i in r) == list(range(700))
     assert all(sum(lengths[i] for i in r) <= 256 for b in plan for r in b)
     fill = sum(lengths) / (256 * sum(len(b) for b in plan))
-    assert fill > 0.95, fill
+    assert fill > 0.9, fill
     one = RankBatchSampler(lengths, 2, seed=4, pack_tokens=256)
     assert len(one) == len(plan)
     flat = [list(b) for b in one]
