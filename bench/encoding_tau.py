@@ -85,6 +85,8 @@ def study_args(ap: argparse.ArgumentParser, out: str, seeds: str) -> None:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per run (OMP_NUM_THREADS); 0 = torch's default")
     ap.add_argument("--cpu", action="store_true", help="hide the GPUs (the CPU results in docs/benchmarks.md)")
     ap.add_argument("--set", action="append", default=[], help="extra training override (smoke runs)")
+    ap.add_argument("--extract-set", action="append", default=[],
+                    help="extra override of the reference store's extraction (smoke runs: data.max_samples=120)")
     ap.add_argument("--summarize", nargs="+", metavar="RESULTS_JSONL", help="only print the table of these "
                     "results files together (runs pair with the reference run of their seed in the same file)")
 
@@ -149,7 +151,7 @@ def paired_study(out_default: str, seeds_default: str, variants: dict[str, list[
         return
     env = study_env(a)
     out = Path(a.out).resolve()
-    ref = reference_store(out, env)
+    ref = reference_store(out, env, a.extract_set)
     results = out / "results.jsonl"
     rows = [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
     done = {(r["run"], r["seed"]) for r in rows}
@@ -163,11 +165,11 @@ def paired_study(out_default: str, seeds_default: str, variants: dict[str, list[
     table([json.loads(x) for x in results.read_text().splitlines()], list(variants), by="run", base=base)
 
 
-def reference_store(out: Path, env: dict) -> Path:
-    """The lossless bf16 store of the tiny target's conversations (extracted once)."""
+def reference_store(out: Path, env: dict, extra: list[str] = ()) -> Path:
+    """The lossless bf16 store of the tiny target's conversations (extracted once; `extra`: more overrides)."""
     ref = out / "stores" / "bf16.zarr"
     if not (out / "stores" / "bf16.done").exists():
-        dflash("extract", "--store", str(ref), *sets(["store.encoding=bf16"]), env=env)
+        dflash("extract", "--store", str(ref), *sets(["store.encoding=bf16", *extra]), env=env)
         (out / "stores" / "bf16.done").write_text("")
     return ref
 

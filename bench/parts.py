@@ -88,7 +88,8 @@ def _train_bench(c: Ctx, args: list, log: str, modes: str = "flex", **kw) -> Ste
 for _n, _a in {"gputests": ["tests/"], "attntests": ["tests/test_gpu_attention.py"],
                "gpufix": ["tests/test_gpu_attention.py", "-k", "bounded_recompiles or under_autocast"],
                "dflash2tests": ["tests/test_gpu_dflash2.py"], "hybridtests": ["tests/test_hybrid.py"],
-               "iscausal": ["tests/test_gpu_is_causal.py", "-s"], "longtest": ["tests/test_gpu_long.py"]}.items():
+               "iscausal": ["tests/test_gpu_is_causal.py", "-s"], "longtest": ["tests/test_gpu_long.py"],
+               "packtests": ["tests/test_packing.py"]}.items():
     PARTS[_n] = (lambda a, n: lambda c: _pytest(c, n, *a))(_a, _n)
 
 
@@ -362,6 +363,40 @@ def tau_collect(c: Ctx) -> list:
             copy_path(src, dst)
         print("".join(Path(c.out / "tau.log").read_text().splitlines(True)[-20:]) if (c.out / "tau.log").exists() else "no tau.log")
     return [collect]
+
+
+@part("packtau")
+def packtau(c: Ctx) -> list:
+    """Issue 28 item 3: packed vs plain tau pairs (bench/pack_tau.py) on the host's CPUs: PT_SEEDS pairs, PT_JOBS
+    runs at once, PT_EPOCHS epochs (PT_EXTRACT_SET: an extraction override, e.g. data.max_samples=2000)."""
+    extract_set = c.var("PT_EXTRACT_SET", "", "data.max_samples=120")
+    return [_study(c, "pack_tau.py", "packtau", ["--seeds", c.var("PT_SEEDS", "0..7", "0"),
+                   "--set", f"train.epochs={c.var('PT_EPOCHS', '1', '1')}", "--jobs", c.var("PT_JOBS", "16", "2"),
+                   "--threads", "1", "--cpu", *(["--extract-set", extract_set] if extract_set else [])],
+                   ["--set", "train.max_steps=2"], c.var("PT_LIMIT", "560", "1800"))]
+
+
+PM_TINY = ["--config", "configs/tiny.yaml", "--hidden", "128", "--vocab", "512", "--layer-ids", "1,3,5", "--encoding",
+           "bf16", "--set", "drafter.max_position_embeddings=8192", "--set", "target.path=/nonexistent", "--set",
+           "train.batch_size=1"]
+
+
+@part("packmfu")
+def packmfu(c: Ctx) -> list:
+    """Issue 28 item 4 (1 GPU, ~4 min a mix): 27B-shape stores of a length mix (chat: mean ~1K, max_length 3072;
+    long: mean ~4.5K, max 8K), `dflash train` PM_STEPS steps without then with packing (pack_tokens =
+    max_length), accumulation 1: samples/s, tokens/s and MFU of useful FLOPs only (goal >= 62% on both mixes)."""
+    steps = []
+    for mix in c.var("PM_MIXES", "chat long", "chat").split():
+        n = c.var("PM_STEPS", "55", "6")
+        args = ["--root", str(c.tmp / f"pm-{mix}"), "--mix", mix, "--samples", c.var("PM_SAMPLES", "96", "10"),
+                "--steps", n, "--cold-steps", n, "--set", f"data.max_length={8192 if mix == 'long' else 3072}",
+                "--set", "train.accumulate_grad_batches=1", *os.environ.get("PM_ARGS", "").split(),
+                "--gpus", "0", "0@train.packing=true", "--out", str(c.out / f"packmfu_{mix}.json")]
+        steps.append(_bench(c, "train_e2e.py", args, PM_TINY, f"packmfu_{mix}.log",
+                            timeout=float(c.var("PM_LIMIT", "290", "1800")), show=14,
+                            only=r"first batch done|Error|error|^run |^warm|^cold|MFU|mix", clean=[str(c.tmp / f"pm-{mix}")]))
+    return steps
 
 
 @part("followtau")

@@ -17,6 +17,16 @@ adds `--set` options to that run (`@` between them): how the DDP options are com
 
     python bench/train_e2e.py --root /tmp/e2e --steps 12 --gpus 0 0 0,1 --out $OUT/train_e2e.json
     python bench/train_e2e.py --root /tmp/e2e --cold-steps 3 --steps 55 --gpus 0 0 0,1 --out $OUT/e2e_mfu.json
+
+Length mixes and packing (issue 28 item 4): `--mix chat` (the tiny-chat length histogram, TINY_CHAT_HIST,
+scaled to a mean of ~1K tokens) or `--mix long` (the same shape scaled to a mean of ~4.5K, cut at 8K, as
+SpecForge's 27B recipe) builds samples of mixed lengths, and `--gpus 0 "0@train.packing=true"` runs them
+without and with packing. Every run logs the samples of each batch (DFLASH_SAMPLE_LOG), so the steady window's
+samples/s, tokens/s and MFU count exactly the samples trained in it: useful FLOPs only (each sample's own
+tokens, anchors and visible keys; padding is waste), whatever the rows looked like.
+
+    python bench/train_e2e.py --root /tmp/pm --mix chat --samples 96 --steps 55 --cold-steps 55 \
+        --gpus 0 "0@train.packing=true" --out $OUT/packmfu_chat.json
 """
 
 from __future__ import annotations
@@ -45,22 +55,49 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LRS = ("6e-4", "3e-4")  # consecutive runs differ in lr, as a user's next run would
 
 
-def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int], H: int, vocab: int) -> None:
+# token lengths of the shipped tiny-chat conversations (the session test store's 240, buckets of 8: centre -> count)
+TINY_CHAT_HIST = {28: 3, 36: 62, 44: 31, 52: 55, 60: 26, 68: 5, 76: 7, 84: 8, 92: 16, 100: 18, 108: 5, 116: 3, 124: 1}
+MIXES = {"chat": (1024, 3072), "long": (4500, 8192)}  # target mean, cap
+
+
+def mix_lengths(mix: str, samples: int, seq: int, seed: int = 0) -> list[int]:
+    """Sample lengths: `fixed` = seq each; `chat` / `long` = TINY_CHAT_HIST's shape drawn with a seed and scaled
+    so that the mean after the cap is the mix's (the 128-token floor keeps a prompt and an answer)."""
+    if mix == "fixed":
+        return [seq] * samples
+    import random
+
+    mean, cap = MIXES[mix]
+    rng = random.Random(seed)
+    base = rng.choices(list(TINY_CHAT_HIST), weights=list(TINY_CHAT_HIST.values()), k=samples)
+    base = [b + rng.uniform(-4, 4) for b in base]
+    lo, hi = 1.0, 1000.0
+    for _ in range(60):  # the scale whose capped mean is the target
+        f = (lo + hi) / 2
+        lo, hi = (f, hi) if sum(min(cap, b * f) for b in base) / samples < mean else (lo, f)
+    return [max(128, min(cap, int(b * f))) for b in base]
+
+
+def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int], H: int, vocab: int,
+                lengths: list[int] | None = None) -> None:
+    """A one-shard store of random 27B-shaped features; `lengths` per sample (default seq each). The first
+    200 tokens of a sample (a fifth of a short one) are unlabelled, as a prompt."""
     shutil.rmtree(path, ignore_errors=True)
+    lengths = lengths or [seq] * samples
     prov = provenance(enc, len(layers), H)
     prov["layer_ids"], prov["target"]["vocab_size"] = layers, vocab
     st.create_or_open_store(str(path), prov)
     w = st.ShardWriter(str(path), 0, prov)
-    w.start("e2e", samples, samples * seq)
+    w.start("e2e", samples, sum(lengths))
     g = torch.Generator(device=DEV).manual_seed(0)
     scale = torch.exp(torch.randn(len(layers), H, device=DEV, generator=g) * 0.7)
-    for i in range(samples):
+    for i, seq in enumerate(lengths):
         x = (torch.randn(seq, len(layers), H, device=DEV, generator=g) * scale).to(torch.bfloat16)
         parts = {k: v.cpu().numpy() for k, v in encode(x, enc).items()}
         parts = {k: (v.view(np.uint16) if v.dtype == np.int16 else v) for k, v in parts.items()}
         toks = torch.randint(0, vocab, (seq,), device=DEV, generator=g).cpu().numpy().astype(np.int32)
         mask = np.ones(seq, np.uint8)
-        mask[:200] = 0
+        mask[: min(200, seq // 5)] = 0
         w.write_batch(np.array([i + 1], np.uint64), np.zeros(1, np.uint8), np.array([seq], np.int32), toks, mask, parts)
     w.finish()
     from safetensors.torch import save
@@ -94,6 +131,54 @@ def flops_per_sample(config: str, layers: list[int], vocab: int, seq: int) -> fl
     return useful_flops(arch, seq, anchors.shape[1] * d.block_size, int((blocks.labels >= 0).sum()), vocab, vis)
 
 
+def doc_flops(arch, n: int, num_anchors: int, vocab: int, seed: int = 0) -> float:
+    """Useful FLOPs of one sample of n tokens laid out as build_store writes it (the first min(200, n/5)
+    unlabelled), with train.num_anchors anchors (rule fixed): train_bench's count, visible key pairs counted
+    from the anchors by the mask's interval rule (pipeline/masks.py), so an 8K sample needs no dense grid. The
+    same in a packed row: a document sees only itself."""
+    from bench.train_bench import useful_flops
+    from pipeline.masks import build_blocks, sample_anchors
+
+    bs, W = arch.block_size, arch.sliding_window
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[: min(200, n // 5)] = False
+    a = sample_anchors(mask, num_anchors, torch.Generator().manual_seed(seed))  # [A]
+    vis = visible_pairs(a, bs, arch.layer_types, W)
+    labels = build_blocks(torch.zeros(1, n, dtype=torch.long), mask[None], a[None], bs, 0, 7.0).labels
+    return useful_flops(arch, n, len(a) * bs, int((labels >= 0).sum()), vocab, vis)
+
+
+def visible_pairs(a: torch.Tensor, bs: int, layer_types, window) -> dict:
+    """Attended (query, key) pairs of one sample's anchors a [A] per layer type: each query row sees context keys
+    [lo, anchor) (lo = 0, or anchor + k - W + 1 in a sliding window) and its own block (all bs keys, or k + 1
+    causal in a sliding window); the count dense_mask(...).sum() gives (tests/test_pack_bench.py)."""
+    k = torch.arange(bs)
+    vis = {}
+    for t in set(layer_types):
+        if t == "sliding_attention":
+            ctx = torch.minimum(a[:, None], (window - 1 - k).clamp(min=0)[None, :])
+            vis[t] = int(ctx.sum() + len(a) * int((k + 1).sum()))
+        else:
+            vis[t] = int(a.sum() * bs + len(a) * bs * bs)
+    return vis
+
+
+def useful_window(run_dir: Path, lengths: dict, flops: dict, skip_steps: int = 3) -> dict | None:
+    """Samples, tokens and useful FLOPs per second over the steady window of rank 0's sample log (batches of
+    step >= skip_steps; the time from the first such batch to the last, the work of the batches after the
+    first). lengths / flops: by sample id. With several ranks: per GPU."""
+    path = run_dir / "logs" / "samples-rank0.jsonl"
+    if not path.exists():
+        return None
+    rows = [x for x in map(json.loads, path.read_text().splitlines()) if x["step"] >= skip_steps]
+    if len(rows) < 2:
+        return None
+    dt = rows[-1]["t"] - rows[0]["t"]
+    ids = [i for x in rows[1:] for i in x["ids"] if i >= 0]
+    return {"batches": len(rows) - 1, "seconds": dt, "samples_s": len(ids) / dt,
+            "tokens_s": sum(lengths[i] for i in ids) / dt, "useful_flops_s": sum(flops[i] for i in ids) / dt}
+
+
 def train_command(config: str, store: Path, gpus: str, sets: list[str], cuda: bool) -> list[str]:
     """The `dflash train` command of one run: on CUDA these GPUs, without it (a smoke run of this script) the same
     number of CPU ranks over gloo; every --set on both (issue 31: the CUDA branch once dropped them all)."""
@@ -103,14 +188,14 @@ def train_command(config: str, store: Path, gpus: str, sets: list[str], cuda: bo
 
 
 def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str,
-        extra: tuple = (), checkpoint_every: int = 100000) -> dict:
+        extra: tuple = (), checkpoint_every: int = 100000, keep=None) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [*extra, "target.name=bench", f"target.layer_ids={layers}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.epochs=1000",
             "train.log_every=1", f"train.lr={lr}", f"train.checkpoint_every={checkpoint_every}", "train.val_every=100000"]
     cmd = train_command(config, store, gpus, sets, torch.cuda.is_available())
     t0 = time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                         env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache)})
+                         env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache), "DFLASH_SAMPLE_LOG": "1"})
     lines = []
     for line in p.stderr:
         lines.append((time.time() - t0, line.rstrip()))
@@ -130,11 +215,13 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     if len(stamps) >= 4:
         (ta, sa), (tb, sb) = stamps[2], stamps[-1]
         steady = (sb - sa) / (tb - ta)
+    kept = keep(run_dir) if keep else None  # what the caller reads of the run before it goes
     shutil.rmtree(run_dir, ignore_errors=True)  # a 27B-shape checkpoint is ~21 GB (fp32 weights + AdamW)
     return {"rc": rc, "gpus": gpus, "wall_s": time.time() - t0, "first_batch_s": first, "first_batch_per_rank_s": firsts,
             "steady_steps_s": steady, "steps": stamps[-1][1] if stamps else 0, "final_checkpoint_s": final,
             "startup_phases_s": startup, "checkpoint_stalls_s": stalls,
-            "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
+            "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at,
+            "useful": kept, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
 
 def main() -> int:
@@ -159,15 +246,31 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=100000,
                     help="train.checkpoint_every of the warm runs (their periodic checkpoints' stall is in the table)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak of the GPU (train_bench)")
+    ap.add_argument("--mix", default="fixed", choices=["fixed", *MIXES],
+                    help="sample lengths: --seq each, or a length mix (chat: mean ~1K; long: mean ~4.5K, max 8K)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     root = Path(a.root)
     t = time.perf_counter()
     layers = [int(x) for x in a.layer_ids.split(",")]
     cache = root / "compile-cache"
+    lengths = mix_lengths(a.mix, a.samples, a.seq)
     if not (a.reuse and (root / "store.zarr").is_dir()):
-        build_store(root / "store.zarr", a.samples, a.seq, a.encoding, layers, a.hidden, a.vocab)
-        print(f"store: {a.samples} x {a.seq} tokens, {a.encoding}, built in {time.perf_counter() - t:.0f} s", flush=True)
+        build_store(root / "store.zarr", a.samples, a.seq, a.encoding, layers, a.hidden, a.vocab, lengths)
+        print(f"store: {a.samples} samples, {a.mix} mix ({sum(lengths) / len(lengths):.0f} tokens mean, max "
+              f"{max(lengths)}), {a.encoding}, built in {time.perf_counter() - t:.0f} s", flush=True)
+    keep = None
+    if a.mix != "fixed":  # useful work per sample id (build_store's ids are 1..N)
+        from pipeline.config import load_config
+        from pipeline.train_step import build_drafter
+
+        c = load_config(a.config, [*a.sets, f"target.layer_ids={layers}"])
+        with torch.device("meta"):
+            arch = build_drafter(c, layers, a.vocab).arch
+        per_len = {n: doc_flops(arch, n, c.train.num_anchors, a.vocab) for n in sorted(set(lengths))}
+        by_id = {i + 1: n for i, n in enumerate(lengths)}
+        flops_id = {i: per_len[n] for i, n in by_id.items()}
+        keep = lambda run_dir: useful_window(run_dir, by_id, flops_id)  # noqa: E731
     if not a.reuse:
         shutil.rmtree(cache, ignore_errors=True)
     res = {}
@@ -178,7 +281,7 @@ def main() -> int:
         name += "".join(f" {x.removeprefix('train.')}" for x in extra)
         steps = a.cold_steps if i == 0 and a.cold_steps else a.steps
         res[name] = run(root / "store.zarr", root / f"run-{i}", cache, steps, LRS[i % 2], a.config, layers, gpus, (*a.sets, *extra),
-                        checkpoint_every=a.checkpoint_every if i or a.reuse else 100000)
+                        checkpoint_every=a.checkpoint_every if i or a.reuse else 100000, keep=keep)
         if a.out:  # after each run: a time limit that stops the second one keeps the first
             Path(a.out).write_text(json.dumps(res, indent=1))
     from pipeline.config import load_config
@@ -202,7 +305,8 @@ def main() -> int:
         per_gpu = sps * accum  # samples/s of one GPU
         if world == 1:
             one_gpu = per_gpu
-        r.update(samples_s=per_gpu * world, mfu=per_gpu * flops / (a.peak_tflops * 1e12), measured_steps=max(0, r["steps"] - 3),
+        mfu = per_gpu * flops / (a.peak_tflops * 1e12) if keep is None else nan  # a mix: the table below
+        r.update(samples_s=per_gpu * world, mfu=mfu, measured_steps=max(0, r["steps"] - 3),
                  scaling=per_gpu / one_gpu if world > 1 and one_gpu else None)
         scaling = f"{100 * r['scaling']:.1f}%" if r["scaling"] else "-"
         print(f"{k:<{w}}{r['rc']:>3}{first:>15.1f}{sps:>9.3f}{per_gpu * world:>11.2f}{100 * r['mfu']:>6.1f}%{scaling:>9}"
@@ -212,8 +316,19 @@ def main() -> int:
     print(f"MFU: {flops / 1e12:.2f} useful TFLOP per sample, peak {a.peak_tflops:.0f} TFLOP/s per GPU, steady rate over the "
           "steps after the 3rd logged one (goal >= 68% over >= 50 steps); scaling: per-GPU samples/s vs the last 1-GPU "
           "run (goal >= 95%); ckpt stall: the longest training wait for a checkpoint (goal < 2 s)")
+    if keep is not None:  # the length mix: what the steady window really trained, useful FLOPs only
+        print(f"\n{a.mix} mix, {len(lengths)} samples, mean {sum(lengths) / len(lengths):.0f} tokens, max {max(lengths)}; "
+              "steady window (batches of step >= 3), rank 0, per GPU; MFU = useful FLOP/s / peak (padding is waste)")
+        print(f"{'run':<{w}}{'rc':>3}{'batches':>9}{'samples/s':>11}{'tokens/s':>11}{'MFU':>8}")
+        for k, r in res.items():
+            u = r["useful"] or {}
+            if u:
+                u["mfu"] = u["useful_flops_s"] / (a.peak_tflops * 1e12)
+            print(f"{k:<{w}}{r['rc']:>3}{u.get('batches', 0):>9}{u.get('samples_s', nan):>11.2f}"
+                  f"{u.get('tokens_s', nan):>11.0f}{100 * u.get('mfu', nan):>7.1f}%")
     if a.out:
-        Path(a.out).write_text(json.dumps({**res, "useful_tflop_per_sample": flops / 1e12}, indent=1))
+        Path(a.out).write_text(json.dumps({**res, "useful_tflop_per_sample": flops / 1e12, "mix": a.mix,
+                                           "lengths": lengths}, indent=1))
     return 1 if any(r["rc"] for r in res.values()) else 0  # a failed run fails the bench (and its smoke test)
 
 

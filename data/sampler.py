@@ -15,6 +15,10 @@ Contract:
 - Lightning asks for the length and the iterator of the next epoch before it calls `set_epoch`; the sampler
   knows the next epoch itself (an epoch whose batches were all consumed is followed by the next one), so the
   order of those calls does not matter. `consumed` is set by the training step (batches finished this epoch).
+- Packing (`pack_tokens`, train.packing): a finished store's epoch is a list of global batches of `batch_size`
+  rows, each row several samples (data/packing.py `packed_plan`: seeded, world-size independent); K is that
+  plan's length, and every item names its row. A stream epoch stays batches of `batch_size` samples, packed
+  by the collate. The state records pack_tokens: a resume must pack the same way (stages/train.py checks).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from data.follow import StreamSlot
+from data.packing import packed_plan
 
 
 def window_plan(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, shuffle: bool = True,
@@ -86,7 +91,8 @@ class RankBatchSampler(torch.utils.data.Sampler):
     `stream_epochs`: epochs taken as a stream of commits (a following run's first epoch)."""
 
     def __init__(self, samples, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, group_factor: int = 32, stream_epochs: Sequence[int] = (), buffer: int = 0):
+                 shuffle: bool = True, group_factor: int = 32, stream_epochs: Sequence[int] = (), buffer: int = 0,
+                 pack_tokens: Optional[int] = None):
         self.source = samples if hasattr(samples, "all") else FixedSamples(range(len(samples)), samples)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.shuffle, self.group_factor = seed, shuffle, group_factor
@@ -95,7 +101,9 @@ class RankBatchSampler(torch.utils.data.Sampler):
         self.epoch = 0
         self.k0 = self.p0 = 0  # this rank's and the global batches done in `epoch` when this process took it up
         self.consumed = 0  # batches of `epoch` this rank has finished (set by the training step)
+        self.pack_tokens = pack_tokens  # None: one sample per row; N: packed rows of <= N tokens
         self._plan: tuple[int, list[list[int]]] = (-1, [])
+        self._packed_counts: dict[int, int] = {}  # epoch -> global batches of its packed plan
 
     # -- sizes ----------------------------------------------------------------------------------------------
     def global_batches(self, epoch: int, planned: bool = False) -> int:
@@ -104,6 +112,14 @@ class RankBatchSampler(torch.utils.data.Sampler):
         other epochs of a run that streamed one. A run on a finished store counts its samples."""
         # a following run deals every epoch to the planned count (fillers make up for dropped samples): one
         # length for all epochs, an exact LR schedule, and nothing decided on how far a rank has seen the store
+        if self.pack_tokens and epoch not in self.stream_epochs and not planned and (
+                epoch == self.epoch or self.source.final):  # a packed epoch: its plan's batches of rows
+            if epoch not in self._packed_counts:
+                self._packed_counts[epoch] = len(self._window(epoch)) if epoch == self.epoch else len(
+                    packed_plan(self.source.all()[1], self.batch_size, self.seed, epoch, self.pack_tokens, self.shuffle))
+            return max(1, self._packed_counts[epoch])
+        # (a following run's packed epochs before the store is final: the unpacked count, an upper bound that
+        # the LR schedule replaces by the plan's once the epoch starts, stages/train_task.py _plan_lr)
         n = self.source.planned if planned or self.stream_epochs else len(self.source.all()[0])
         return max(1, math.ceil(n / self.batch_size))
 
@@ -140,7 +156,11 @@ class RankBatchSampler(torch.utils.data.Sampler):
     def _window(self, epoch: int) -> list[list[int]]:
         if self._plan[0] != epoch:
             _, lengths = self.source.all()
-            self._plan = (epoch, window_plan(lengths, self.batch_size, self.seed, epoch, self.shuffle, self.group_factor))
+            if self.pack_tokens:
+                plan = packed_plan(lengths, self.batch_size, self.seed, epoch, self.pack_tokens, self.shuffle)
+            else:
+                plan = window_plan(lengths, self.batch_size, self.seed, epoch, self.shuffle, self.group_factor)
+            self._plan = (epoch, plan)
         return self._plan[1]
 
     def __iter__(self) -> Iterator[list[tuple]]:
@@ -156,6 +176,9 @@ class RankBatchSampler(torch.utils.data.Sampler):
                 yield [(StreamSlot(g, j, self.batch_size, p0 + (i + 1) * W, self.buffer), e, False)
                        for j in range(self.batch_size)]
                 continue
+            if self.pack_tokens and g < len(plan):  # rows of samples: each item names its row
+                yield [(keys[j], e, False, r) for r, row in enumerate(plan[g]) for j in row]
+                continue
             batch = [keys[j] for j in plan[g]] if g < len(plan) else []
             if batch:
                 yield [(k, e, False) for k in batch]
@@ -166,7 +189,7 @@ class RankBatchSampler(torch.utils.data.Sampler):
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.consumed, "global_done": self.global_done(),
                 "world_size": self.world_size, "stream_epochs": sorted(self.stream_epochs), "buffer": self.buffer,
-                "group_factor": self.group_factor}
+                "group_factor": self.group_factor, "pack_tokens": self.pack_tokens}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` was saved, possibly with another world size. A state of an older dflash (epoch
@@ -181,10 +204,12 @@ class RankBatchSampler(torch.utils.data.Sampler):
         group_factor = int(state.get("group_factor", 32))
         if group_factor != self.group_factor:
             self.group_factor, self._plan = group_factor, (-1, [])
+        self.saved_pack_tokens = state.get("pack_tokens")  # stages/train.py refuses a resume that packs otherwise
 
     def resume(self, epoch: int, batches_done: int) -> None:
         """Skip the first `batches_done` batches of `epoch` on this rank (the same world size trained them)."""
-        self.load_state_dict({"epoch": epoch, "batches_done": batches_done, "group_factor": self.group_factor})
+        self.load_state_dict({"epoch": epoch, "batches_done": batches_done, "group_factor": self.group_factor,
+                              "pack_tokens": self.pack_tokens})
 
 
 def remaining_steps(sampler: RankBatchSampler, epochs: int, accumulate: int, planned: bool = False) -> int:

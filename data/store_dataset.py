@@ -5,7 +5,8 @@ Contract:
   own: zarr's event loop and fsspec are not fork-safe). Items are `(key, epoch, filler)` from the sampler
   (data/sampler.py): key is a `SampleRef` (a sample of a finished store or of one still being written) or a
   position in `indices`. Anchors are drawn fresh each epoch yet reproducibly (seeded by seed, epoch and sample
-  id); train.anchor_rule picks how many (pipeline/masks.py sample_anchors). A filler item keeps its tokens
+  id); train.anchor_rule picks how many (pipeline/masks.py sample_anchors); with packing the sampler adds the
+  item's row, and data/packing.py `collate_packed` builds the rows. A filler item keeps its tokens
   but has its loss mask zeroed: no anchors, no loss, no gradient.
 - Features leave the loader still encoded (the encoding's parts, pipeline.encoding): decoding happens on the GPU.
 - `collate` pads to a multiple of `pad_multiple` (128 on GPU, fixed shapes keep compiled graphs few) and keeps
@@ -76,7 +77,8 @@ class StoreDataset(torch.utils.data.Dataset):
     def __getitem__(self, item) -> Optional[dict]:
         if not isinstance(item, tuple):  # a bare position (benchmarks, tests)
             item = (item, 0)
-        key, epoch, filler = item if len(item) == 3 else (*item, False)
+        row = item[3] if len(item) == 4 else None  # packing: the row of the sampler's plan (data/packing.py)
+        key, epoch, filler = item[:3] if len(item) >= 3 else (*item, False)
         if isinstance(key, StreamSlot):  # a following run's first epoch: waits until the slot's round is committed
             key, filler = self.stream.resolve(key, self.seed, epoch)
             if key is None:
@@ -94,6 +96,8 @@ class StoreDataset(torch.utils.data.Dataset):
             "anchors": anchors,  # [A] sorted
             "sample_id": -1 if filler else ref.sample_id,
         }
+        if row is not None:
+            item["row"] = row
         for name in part_names(self.reader.encoding):  # still encoded: features [S, L, ...], scales, outliers
             item[name] = from_storage(s[name])
         return item

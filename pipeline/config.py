@@ -156,6 +156,10 @@ class TrainConfig:
     # a finished store's epoch: 0 = batches of the plain shuffled order; N > 0 = sorted by length inside windows
     # of batch_size * N shuffled samples (less padding when batch_size > 1, but lower tau: docs/benchmarks.md)
     length_group_factor: int = 0
+    # sequence packing (data/packing.py): several samples share one row of up to pack_tokens tokens (None:
+    # data.max_length), each seeing only itself; turn on when most samples are much shorter than pack_tokens
+    packing: bool = False
+    pack_tokens: Optional[int] = None
     # DistributedDataParallel's own options (torch's defaults; issue 22 measures them in bench/device_run.sh ddpopts)
     ddp_bucket_cap_mb: float = 25.0  # gradient bucket size of the all-reduce
     ddp_gradient_as_bucket_view: bool = False  # gradients are views into the buckets: no copy, less memory
@@ -339,6 +343,16 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"{src}: data.max_length ({cfg.data.max_length}) exceeds drafter.max_position_embeddings "
                           f"({d.max_position_embeddings}): the drafter would train on positions its exported config "
                           "says it does not have; raise drafter.max_position_embeddings (long samples: 8K-16K)")
+    if cfg.train.pack_tokens is not None and not cfg.train.packing:
+        raise ConfigError(f"{src}: train.pack_tokens is only used with train.packing=true; set that too, or drop "
+                          "pack_tokens")
+    if cfg.train.packing and cfg.train.length_group_factor:
+        raise ConfigError(f"{src}: train.length_group_factor={cfg.train.length_group_factor} has no effect with "
+                          "train.packing=true (rows are planned by length already); set it to 0")
+    if cfg.train.pack_tokens is not None and cfg.train.pack_tokens < cfg.data.max_length:
+        raise ConfigError(f"{src}: train.pack_tokens ({cfg.train.pack_tokens}) is below data.max_length "
+                          f"({cfg.data.max_length}): a sample of max_length tokens must fit one packed row; raise "
+                          "pack_tokens or leave it unset (= data.max_length)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:
         raise ConfigError(f"{src}: target.layer_ids must be strictly increasing, got {cfg.target.layer_ids}")
 
@@ -441,6 +455,12 @@ def anchors_per_token(cfg: Config) -> Optional[float]:
     if t.anchor_rule != "proportional":
         return None
     return t.anchors_per_token if t.anchors_per_token is not None else min(1.0, t.num_anchors / cfg.data.max_length)
+
+
+def pack_tokens(cfg: Config) -> Optional[int]:
+    """Tokens per packed row with train.packing on (train.pack_tokens, default data.max_length); None when off."""
+    t = cfg.train
+    return (t.pack_tokens or cfg.data.max_length) if t.packing else None
 
 
 def gamma_for_block(block_size: int) -> float:

@@ -114,6 +114,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("train", "seed"): SEED,
     ("train", "follow_buffer"): Range(0, text="0 or more (samples)"),
     ("train", "length_group_factor"): Range(0, text="0 (no grouping by length) or more (batches per window)"),
+    ("train", "pack_tokens"): COUNT,
     ("train", "ddp_bucket_cap_mb"): POSITIVE,
     ("train", "num_nodes"): COUNT,
     ("train", "rendezvous_timeout_s"): Range(0, lo_open=True, text="positive (seconds)"),

@@ -19,7 +19,10 @@ Visibility (the whole contract, see `dflash_mask_mod`):
       z-lab's reference model reads it (absent: sliding-window layers causal, full layers
       bidirectional; false: every layer bidirectional, sliding layers still windowed on the context; true:
       every layer causal); never another block;
-    - padded anchors (-1) see only their own block (so no SDPA row is fully masked and nothing is NaN).
+    - padded anchors (-1) see only their own block (so no SDPA row is fully masked and nothing is NaN);
+    - packed rows (several documents in one row, `doc_ids` [B, S]: the document of each context position, -1 on
+      padding): a query also needs doc_ids[kv] == doc_ids[anchor_j], so it sees only its own document's context;
+      positions restart at each document's start and labels stop at its end (`build_blocks`).
 
 This file must stay torch-only (no project imports): it is copied next to the exported modeling file.
 """
@@ -87,18 +90,30 @@ def stack_anchors(anchors: Sequence[Tensor], num_anchors: Optional[int] = None, 
 
 class Blocks(NamedTuple):
     input_ids: Tensor  # [B, A*bs] long: [token[anchor], MASK x (bs-1)] per block (all MASK for padded anchors)
-    positions: Tensor  # [B, A*bs] long: anchor + k (k for padded anchors)
+    positions: Tensor  # [B, A*bs] long: anchor + k (k for padded anchors); packed: anchor - doc start + k (RoPE)
     labels: Tensor  # [B, A*bs] long: token[anchor + k] for k >= 1 where supervised, else IGNORE_INDEX
     weights: Tensor  # [B, A*bs] float32: exp(-(k-1)/gamma) where labelled, else 0
 
 
+def doc_starts(doc_ids: Tensor) -> Tensor:
+    """doc_ids [B, S] (contiguous documents, -1 on padding) -> [B, S] long: where each position's document starts."""
+    B, S = doc_ids.shape
+    idx = torch.arange(S, device=doc_ids.device).expand(B, S)
+    new = torch.ones_like(doc_ids, dtype=torch.bool)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.where(new, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
 def build_blocks(
-    tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int, mask_token_id: int, gamma: float
+    tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int, mask_token_id: int, gamma: float,
+    doc_ids: Optional[Tensor] = None,
 ) -> Blocks:
     """Block inputs, query positions, labels and loss weights for anchors [B, A] (-1 = padding).
 
     tokens, loss_mask: [B, S]. Slot k of block j predicts token[anchor_j + k] (k = 1..bs-1); slot 0 (the
     anchor itself) carries no loss; labels past the sequence end or on loss_mask == 0 are dropped.
+    doc_ids [B, S] (packed rows): labels past the anchor's document end are dropped too, and positions count
+    from the document's start, so each document's blocks equal those of the document alone.
     """
     B, S = tokens.shape
     A = anchors.shape[1]
@@ -117,6 +132,11 @@ def build_blocks(
     input_ids[:, :, 0] = torch.where(valid, tok_at[:, :, 0], torch.full_like(tok_at[:, :, 0], mask_token_id))
 
     labelled = valid[:, :, None] & (k >= 1) & inside & sup_at  # [B, A, bs]
+    if doc_ids is not None:  # packed: the label must lie in the anchor's own document
+        doc_ids = doc_ids.to(dev)
+        own_doc = doc_ids.gather(1, a).view(B, A, 1)  # [B, A, 1]
+        labelled = labelled & (doc_ids.gather(1, pos_c).view(B, A, block_size) == own_doc)
+        pos = pos - doc_starts(doc_ids).gather(1, a)[:, :, None]  # [B, A, bs]
     labels = torch.where(labelled, tok_at, torch.full_like(tok_at, IGNORE_INDEX))
     decay = torch.exp(-(k.to(torch.float32) - 1.0) / float(gamma))  # [bs]
     weights = torch.where(labelled, decay.expand(B, A, block_size), torch.zeros((), device=dev))
@@ -131,10 +151,11 @@ def build_blocks(
 
 
 
-def loss_weight_sum(tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int, gamma: float) -> float:
+def loss_weight_sum(tokens: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int, gamma: float,
+                    doc_ids: Optional[Tensor] = None) -> float:
     """The sum of `build_blocks`' loss weights for a batch: what the loader adds up over a gradient-accumulation
     window, so the step can normalise by the window's weight (stages.train_task)."""
-    return float(build_blocks(tokens, loss_mask, anchors, block_size, 0, gamma).weights.sum())
+    return float(build_blocks(tokens, loss_mask, anchors, block_size, 0, gamma, doc_ids).weights.sum())
 
 
 def block_causal(is_causal: Optional[bool], layer_type: str) -> bool:
@@ -146,13 +167,15 @@ def block_causal(is_causal: Optional[bool], layer_type: str) -> bool:
 def dflash_mask_mod(
     anchors: Tensor, seq_lens: Tensor, ctx_len: int, block_size: int, window: Optional[int] = None,
     causal: Optional[bool] = None,
+    doc_ids: Optional[Tensor] = None,
 ) -> Callable:
     """The visibility predicate mask_mod(b, h, q_idx, kv_idx) -> bool (see the module docstring).
 
     anchors: [B, A'] long (-1 = padding; A' may exceed the real A to cover padded query rows), seq_lens: [B]
     long (valid context length per row), ctx_len: S (where block keys start), window: None for full
     attention, W for a sliding-window layer; causal: causal inside the block (None: exactly when windowed,
-    i.e. `block_causal(None, layer_type)`).
+    i.e. `block_causal(None, layer_type)`); doc_ids: None (one
+    document per row) or [B, S] long for packed rows (a context key must be in the anchor's document).
     Written with tensor ops only: flex vmaps it over scalars, `dense_mask` broadcasts it over index grids.
     """
     causal = (window is not None) if causal is None else bool(causal)
@@ -169,6 +192,9 @@ def dflash_mask_mod(
             ctx_ok = ctx_ok & (anchor + slot - kv_idx < window)
         if causal:
             own = own & (torch.remainder(kv_blk, block_size) <= slot)
+        if doc_ids is not None:  # packed: only the anchor's own document
+            last = doc_ids.shape[1] - 1
+            ctx_ok = ctx_ok & (doc_ids[b, kv_idx.clamp(max=last)] == doc_ids[b, anchor.clamp(0, last)])
         return ctx_ok | own
 
     return mask_mod
@@ -187,6 +213,7 @@ def dense_mask(
     seq_lens: Optional[Tensor] = None,
     window: Optional[int] = None,
     causal: Optional[bool] = None,
+    doc_ids: Optional[Tensor] = None,
 ) -> Tensor:
     """bool [B, 1, Q, S+Q] (True = attend) for SDPA: the predicate broadcast over index grids. Q = A*bs."""
     B, A = anchors.shape
@@ -196,7 +223,9 @@ def dense_mask(
     h = torch.zeros((), dtype=torch.long, device=dev)
     q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
     kv = torch.arange(ctx_len + Q, device=dev).view(1, 1, 1, ctx_len + Q)
-    mod = dflash_mask_mod(anchors.long(), _seq_lens(seq_lens, B, ctx_len, dev), ctx_len, block_size, window, causal)
+    docs = None if doc_ids is None else doc_ids.to(dev).long()
+    mod = dflash_mask_mod(anchors.long(), _seq_lens(seq_lens, B, ctx_len, dev), ctx_len, block_size, window, causal,
+                          docs)
     return mod(b, h, q, kv).expand(B, 1, Q, ctx_len + Q)
 
 
@@ -238,6 +267,7 @@ def block_tables(
     window: Optional[int] = None,
     tile: int = FLEX_BLOCK,
     causal: Optional[bool] = None,
+    doc_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Which (query tile, key tile) pairs of `dflash_mask_mod` are partly / fully visible, without the dense grid.
 
@@ -245,7 +275,8 @@ def block_tables(
     create_block_mask derives by evaluating the predicate on all Q x KV pairs. Here each query row's visible
     keys are two intervals read off the predicate (the module docstring):
         context [lo, hi):  hi = min(anchor, seq_len, S) (0 for a padded anchor), lo = 0, or for a sliding
-                           window lo = max(0, anchor + slot - W + 1);
+                           window lo = max(0, anchor + slot - W + 1); a packed row (doc_ids) also raises lo
+                           to the start of the anchor's document;
         own block [S + bs*j, S + bs*j + n):  n = bs, or slot + 1 when causal in the block (causal None: when
                            windowed, as the predicate).
     A key tile [k0, k1) is touched by a row when an interval overlaps it and covered when one interval contains
@@ -261,6 +292,9 @@ def block_tables(
     lens = _seq_lens(seq_lens, B, ctx_len, dev).clamp(max=ctx_len)[:, None]  # [B, 1]
     c_hi = torch.minimum(anchor, lens).clamp(min=0)  # [B, Qp]
     c_lo = torch.zeros_like(c_hi) if window is None else (anchor + slot - window + 1).clamp(min=0)
+    if doc_ids is not None:  # packed: the anchor's document starts at doc_starts[anchor]
+        starts = doc_starts(doc_ids.to(dev).long()).gather(1, anchor.clamp(0, ctx_len - 1))  # [B, Qp]
+        c_lo = torch.maximum(c_lo, starts)
     b_lo = (ctx_len + j * block_size).expand(B, q_len)  # [B, Qp]
     causal = (window is not None) if causal is None else bool(causal)
     b_hi = b_lo + (slot + 1 if causal else block_size)
@@ -321,9 +355,9 @@ def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _all_tables(anchors: Tensor, seq_lens: Tensor, block_size: int, ctx_len: int, window: Optional[int],
-                causal: Optional[bool] = None) -> tuple:
+                causal: Optional[bool] = None, doc_ids: Optional[Tensor] = None) -> tuple:
     """The eight BlockMask tables: kv side (forward) and q side (backward), partial and full."""
-    partial, full = block_tables(anchors, block_size, ctx_len, seq_lens, window, causal=causal)
+    partial, full = block_tables(anchors, block_size, ctx_len, seq_lens, window, causal=causal, doc_ids=doc_ids)
     return (*_ordered(partial), *_ordered(full), *_ordered(partial.transpose(-2, -1)),
             *_ordered(full.transpose(-2, -1)))
 
@@ -336,6 +370,7 @@ def flex_block_mask(
     window: Optional[int] = None,
     compile: Optional[bool] = None,
     causal: Optional[bool] = None,
+    doc_ids: Optional[Tensor] = None,
 ):
     """BlockMask over (Q, S+Q) padded up to multiples of 128, from the same predicate as `dense_mask`.
 
@@ -356,8 +391,10 @@ def flex_block_mask(
         if "tables" not in _COMPILED:
             _COMPILED["tables"] = torch.compile(_all_tables)
         build = _COMPILED["tables"]
-    kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = build(anchors.long(), lens, block_size, ctx_len, window, causal)
-    mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, ctx_len, block_size, window, causal)
+    docs = None if doc_ids is None else doc_ids.to(dev).long()
+    kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = build(anchors.long(), lens, block_size, ctx_len, window, causal,
+                                                           docs)
+    mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, ctx_len, block_size, window, causal, docs)
     return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=kv_n, kv_indices=kv_i, full_kv_num_blocks=fkv_n,
                      full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
                      full_q_indices=fq_i, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mod)
@@ -374,12 +411,14 @@ def make_attend(
     seq_lens: Optional[Tensor] = None,
     compile: Optional[bool] = None,
     is_causal: Optional[bool] = None,
+    doc_ids: Optional[Tensor] = None,
 ) -> Callable[[Tensor, Tensor, Tensor, str], Tensor]:
     """The drafter's `attend(q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_type) -> [B,h,Q,d]` for one batch.
 
     kind: "sdpa" (dense boolean mask; CPU training and the reference) or "flex" (BlockMask; compiled on CUDA
     when compile is None). One mask per layer type present, shared by all layers of that type. GQA through
     enable_gqa (no repeat of k/v). is_causal: the drafter's key (`block_causal` reads it per layer type).
+    doc_ids [B, S]: packed rows (see `dflash_mask_mod`).
     """
     if kind not in ("sdpa", "flex"):
         raise ValueError(f"attention kind must be 'sdpa' or 'flex', got {kind!r}")
@@ -393,7 +432,8 @@ def make_attend(
     causal = {t: block_causal(is_causal, t) for t in windows}
 
     if kind == "sdpa":
-        masks = {t: dense_mask(anchors, block_size, ctx_len, seq_lens, w, causal[t]) for t, w in windows.items()}
+        masks = {t: dense_mask(anchors, block_size, ctx_len, seq_lens, w, causal[t], doc_ids)
+                 for t, w in windows.items()}
 
         def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, layer_type: str) -> Tensor:
             mask = masks[layer_type]
@@ -402,7 +442,7 @@ def make_attend(
         return attend_sdpa
 
     compile = (anchors.device.type == "cuda") if compile is None else compile
-    masks = {t: flex_block_mask(anchors, block_size, ctx_len, seq_lens, w, compile, causal[t])
+    masks = {t: flex_block_mask(anchors, block_size, ctx_len, seq_lens, w, compile, causal[t], doc_ids)
              for t, w in windows.items()}
     flex = _flex_attention(compile)
 

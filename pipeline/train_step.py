@@ -36,7 +36,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.drafter import DFlashDrafter, DrafterArch
 from pipeline.drafter2 import DFlash2Arch, DFlash2Drafter
 from pipeline.loss import chunked_weighted_ce, chunked_weighted_ce_topk, selector_ce
-from pipeline.masks import Blocks, build_blocks, make_attend
+from pipeline.masks import Blocks, build_blocks, doc_starts, make_attend
 
 
 def build_drafter(cfg: Config, layer_ids: list[int], vocab_size: int) -> DFlashDrafter:
@@ -116,21 +116,30 @@ def warm_start(drafter: DFlash2Drafter, path: str, source: str = "<config>") -> 
 
 def step_loss(drafter: nn.Module, tokens: Tensor, loss_mask: Tensor, anchors: Tensor, seq_lens: Tensor, feats: Tensor,
               embed: Tensor, head: Tensor, cfg: Config, kind: str,
-              model: Optional[nn.Module] = None) -> tuple[Tensor, Tensor, Blocks, dict]:
+              model: Optional[nn.Module] = None, doc_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Blocks, dict]:
     """One training forward. tokens/loss_mask [B, S], anchors [B, N] (padded with -1), seq_lens [B],
     feats [B, S, L*H] (decoded target features), embed/head [V, H] frozen; kind "flex" | "sdpa";
-    model: a compiled wrapper of drafter, if any. -> (loss_sum, correct [B*Q], blocks, extra), Q = N * block."""
+    model: a compiled wrapper of drafter, if any; doc_ids [B, S] for packed rows (train.packing: the document
+    of each position, -1 on padding; positions restart per document, the mask and labels keep to it).
+    -> (loss_sum, correct [B*Q], blocks, extra), Q = N * block."""
     B, S = tokens.shape
     bs = drafter.arch.block_size
-    blocks = build_blocks(tokens, loss_mask, anchors, bs, cfg.drafter.mask_token_id, cfg.train.gamma)  # [B, Q] each
+    blocks = build_blocks(tokens, loss_mask, anchors, bs, cfg.drafter.mask_token_id, cfg.train.gamma,
+                          doc_ids)  # [B, Q] each
     attend = make_attend(kind, anchors=anchors, block_size=bs, ctx_len=S, layer_types=drafter.arch.layer_types,
                          sliding_window=drafter.arch.sliding_window, seq_lens=seq_lens,
-                         is_causal=drafter.arch.is_causal)
+                         is_causal=drafter.arch.is_causal, doc_ids=doc_ids)
     ctx = drafter.project_context(feats)  # [B, S, H]
     block_embeds = F.embedding(blocks.input_ids, embed)  # [B, Q, H]
-    ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)
+    ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)  # [B, S]
+    if doc_ids is not None:  # packed: RoPE positions count from each document's start
+        ctx_pos = ctx_pos - doc_starts(doc_ids.to(tokens.device))
     hidden = (model or drafter)(block_embeds, ctx, blocks.positions, ctx_pos, attend)  # [B, Q, H]
-    loss_sum, correct, extra = drafter_loss(drafter, hidden, head, blocks, tokens, cfg.train)
+    row_pos = None  # packed: block positions within the row (predecessor tokens), [B, Q]
+    if doc_ids is not None:
+        row_pos = blocks.positions + doc_starts(doc_ids.to(tokens.device)).gather(
+            1, anchors.to(tokens.device).clamp(min=0)).repeat_interleave(bs, dim=1)
+    loss_sum, correct, extra = drafter_loss(drafter, hidden, head, blocks, tokens, cfg.train, row_pos)
     return loss_sum, correct, blocks, extra
 
 
@@ -142,8 +151,9 @@ def predecessor_ids(tokens: Tensor, positions: Tensor) -> Tensor:
 
 
 def drafter_loss(drafter: nn.Module, hidden: Tensor, head: Tensor, blocks, tokens: Tensor,
-                 train_cfg) -> tuple[Tensor, Tensor, dict]:
-    """hidden [B, Q, H] (the drafter's output), head [V, H] frozen, blocks (pipeline.masks.Blocks), tokens [B, S]."""
+                 train_cfg, row_pos: Optional[Tensor] = None) -> tuple[Tensor, Tensor, dict]:
+    """hidden [B, Q, H] (the drafter's output), head [V, H] frozen, blocks (pipeline.masks.Blocks), tokens [B, S];
+    row_pos [B, Q]: the block positions within the row when they differ from blocks.positions (packed rows)."""
     rows = hidden.reshape(-1, hidden.shape[-1])  # [B*Q, H]
     labels, weights = blocks.labels.reshape(-1), blocks.weights.reshape(-1)
     if not isinstance(drafter, DFlash2Drafter):
@@ -157,7 +167,7 @@ def drafter_loss(drafter: nn.Module, hidden: Tensor, head: Tensor, blocks, token
     # alpha 0: the selector is frozen at zero (it passes the unary ranking through); its metrics still count
     with torch.no_grad() if alpha == 0 else contextlib.nullcontext():
         sel_sum, correct, covered = selector_ce(drafter.candidate_selector, rows, head, cand, labels, weights,
-                                                predecessor_ids(tokens, blocks.positions),
+                                                predecessor_ids(tokens, blocks.positions if row_pos is None else row_pos),
                                                 multiplier=a.output_multiplier, softcap=a.final_logit_softcapping,
                                                 chunk_rows=train_cfg.loss_chunk_rows)
     if alpha:

@@ -17,6 +17,11 @@ Contract:
   3.6-27B hybrid's on one H200 with flash-linear-attention (RATE_27B_H200); another target's is scaled by
   weight bytes (a forward's FLOPs follow its parameters), which for small targets is only a lower bound on
   the time (they are bound by per-batch overheads, not FLOPs); the output says which it used.
+- Training time (the 27B drafter shape only, the one measured: TRAIN_STEP_MS_27B, one H200, compiled flex):
+  train.epochs x the time of every row. Unpacked a row is one sample, its time interpolated by its length (a
+  short sample costs far more per token: 61 ms for 512 tokens, 240 ms for 3,072); with train.packing the rows
+  are data/packing.py's plan of the real train lengths, each timed as a full row of its tokens, so the estimate
+  follows tokens rather than samples. Divided by the GPUs (DDP); the output says what it assumed.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class Plan:
     free_at: str
     seconds: Optional[float]
     rate_note: str
+    train_seconds: Optional[float] = None
+    train_note: str = ""
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -116,6 +123,45 @@ def estimate_time(tokens: int, gpus: int, weight_bytes: Optional[float], cuda: b
             "bound for a small target, which per-batch overheads dominate, not FLOPs")
 
 
+# one training step of the 27B drafter (configs/qwen3.6-27b.yaml) per sample length, ms: bench/train_bench.py on one
+# H200, compiled flex, ~1 anchor per 6 tokens (85/171/512), measured 2026-12-01 at 896817d (issue 28)
+TRAIN_STEP_MS_27B = ((512, 61.0), (1024, 94.6), (3072, 239.5))
+
+
+def row_ms(tokens: int) -> float:
+    """The measured step time of a row of `tokens`, piecewise linear in TRAIN_STEP_MS_27B (beyond its ends: the
+    nearest segment's slope; never below 1/10 of the shortest point's time)."""
+    pts = TRAIN_STEP_MS_27B
+    k = 0 if tokens <= pts[1][0] else len(pts) - 2 if tokens >= pts[-2][0] else next(
+        i for i in range(len(pts) - 1) if pts[i][0] <= tokens <= pts[i + 1][0])
+    (x0, y0), (x1, y1) = pts[k], pts[k + 1]
+    return max(pts[0][1] / 10, y0 + (tokens - x0) * (y1 - y0) / (x1 - x0))
+
+
+def estimate_training(cfg: Config, train_lengths: list[int], gpus: int) -> tuple[Optional[float], str]:
+    """(seconds, note) of `dflash train` over these train sample lengths (see the module docstring)."""
+    from pipeline.config import pack_tokens
+
+    if cfg.drafter.hidden_size != 5120 or not train_lengths:
+        return None, ("no measured training rate for this drafter shape (only the 27B shape's, hidden 5120, "
+                      "stages/plan.py TRAIN_STEP_MS_27B)")
+    budget = pack_tokens(cfg)
+    if budget:
+        from data.packing import packed_plan
+
+        rows = [sum(train_lengths[i] for i in row) for b in packed_plan(train_lengths, 1, cfg.train.seed, 0, budget)
+                for row in b]
+        fill = sum(rows) / (len(rows) * budget)
+        how = (f"packed: {len(train_lengths) / len(rows):.2f} samples per {budget:,}-token row, {100 * fill:.1f}% "
+               "full, each row timed by its tokens")
+    else:
+        rows, how = train_lengths, "one sample per row, each timed by its length (train.packing off)"
+    ms = sum(row_ms(n) for n in rows) * cfg.train.epochs
+    note = (f"{cfg.train.epochs} epochs of {len(rows):,} rows; {how}; from the 27B drafter's measured step times on "
+            f"one H200 (stages/plan.py TRAIN_STEP_MS_27B), divided by {gpus} GPU(s) (DDP)")
+    return ms / 1000 / max(1, gpus), note
+
+
 def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr) -> Plan:
     from data.ingest import ingest
     from pipeline.target import DTYPES, load_tokenizer, resolve_layer_ids
@@ -135,9 +181,12 @@ def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr) -> Plan
     print(report.summary(), file=out)
     n = {"train": 0, "validation": 0}
     t = {"train": 0, "validation": 0}
+    train_lengths = []
     for s in samples:
         n[s.split] += 1
         t[s.split] += len(s.input_ids)
+        if s.split == "train":
+            train_lengths.append(len(s.input_ids))
     tokens = sum(t.values())
     raw = raw_bytes_per_token(enc, len(ids), H)
     size = "large" if H >= LARGE_HIDDEN else "tiny"
@@ -151,7 +200,8 @@ def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr) -> Plan
     seconds, note = estimate_time(tokens, shards, weights, cuda)
     where = ("the tiny target's features" if size == "tiny" else "27B-shaped synthetic activations") + \
         f" ({'hidden < ' if size == 'tiny' else 'hidden >= '}{LARGE_HIDDEN}; stages/plan.py COMPRESSION)"
-    return Plan(n, t, raw * factor, raw, factor, where, head, total, free, at, seconds, note)
+    train_seconds, train_note = estimate_training(cfg, train_lengths, shards)
+    return Plan(n, t, raw * factor, raw, factor, where, head, total, free, at, seconds, note, train_seconds, train_note)
 
 
 def _gb(x: float) -> str:
@@ -189,6 +239,10 @@ def run_plan(cfg: Config, store: Optional[str], shards: Optional[int], shard_ind
         say(f"plan: time: {p.rate_note}")
     else:
         say(f"plan: time on {gpus} GPU(s): about {_duration(p.seconds)}, {p.rate_note}")
+    if p.train_seconds is None:
+        say(f"plan: training time: {p.train_note}")
+    else:
+        say(f"plan: training time on {gpus} GPU(s): about {_duration(p.train_seconds)}, {p.train_note}")
     if st.exists(store_path):
         say(f"plan: {store_path} exists: a rerun writes only what its shards have not committed (this plan counts "
             "the whole store)")

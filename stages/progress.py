@@ -77,6 +77,11 @@ class ProgressLines(L.Callback):
         line = (f"train: step {step}/{int(total)} epoch {trainer.current_epoch} loss {m.get('train/loss', float('nan')):.4f} "
                 f"tau {m.get('train/tau', float('nan')):.2f} {rate:.2f} steps/s {tok_rate:,.0f} tok/s "
                 f"ETA {eta / 60:.1f} min")
+        if "docs_per_row" in batch:  # train.packing: this batch's padded slots and documents per row
+            from data.packing import padding_stats
+
+            pad, per_row = padding_stats(batch)
+            line += f" pad {100 * pad:.1f}% {per_row:.2f} docs/row"
         print(line, file=sys.stderr, flush=True)
         self._write(state)
 

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from pipeline import store as st
-from pipeline.config import Config, anchors_per_token, dump_config
+from pipeline.config import Config, anchors_per_token, dump_config, pack_tokens
 from pipeline.errors import UserError
 from pipeline.provenance import start_frozen_head_check, target_differences
 from pipeline.target import resolve_layer_ids
@@ -100,11 +100,16 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
     a_mult = max(1, 128 // cfg.drafter.block_size) if pad_multiple > 1 else 1
     n_anchor = int(-(-t.num_anchors // a_mult) * a_mult)
     col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
+    packing = pack_tokens(cfg)
+    if packing:  # rows of several samples (data/packing.py); the anchor width a multiple of the unpacked one
+        from data.packing import collate_packed
+
+        col = partial(collate_packed, pack_tokens=packing, pad_multiple=pad_multiple, anchor_multiple=n_anchor)
     wait_log = str(Path(t.run_dir) / "logs" / "rank0.log") if growing and rank == 0 else None  # waits said there
     train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log,
                             anchors_per_token=anchors_per_token(cfg))  # validation keeps the fixed rule: comparable
     sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs,
-                               buffer=t.follow_buffer, group_factor=t.length_group_factor)
+                               buffer=t.follow_buffer, group_factor=t.length_group_factor, pack_tokens=packing)
     # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock
     kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init,
               multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
@@ -115,12 +120,15 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
 
         train_dl.accumulate = t.accumulate_grad_batches
         train_dl.batch_weight = lambda b: loss_weight_sum(b["tokens"], b["loss_mask"], b["anchors"],
-                                                          cfg.drafter.block_size, t.gamma)
+                                                          cfg.drafter.block_size, t.gamma, b.get("doc_ids"))
     val_dl = None
     if val:
         val_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, fixed_anchors=True, growing=growing)
         val_sampler = RankBatchSampler(FixedSamples(val), t.batch_size, rank, world, t.seed, shuffle=False)
-        val_dl = torch.utils.data.DataLoader(val_ds, batch_sampler=val_sampler, **{**kw, "persistent_workers": False})
+        # validation stays one sample per row (the unpacked collate): val metrics comparable with or without packing
+        val_kw = {**kw, "persistent_workers": False, "collate_fn": partial(collate, pad_multiple=pad_multiple,
+                                                                            num_anchors=n_anchor)}
+        val_dl = torch.utils.data.DataLoader(val_ds, batch_sampler=val_sampler, **val_kw)
     return train_dl, val_dl, sampler
 
 
@@ -362,6 +370,12 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
             print(f"train: resuming with train.length_group_factor={sampler.group_factor}, the checkpoint's (its "
                   f"epochs were planned with it; the config says {cfg.train.length_group_factor}); a new run "
                   "takes the new value", file=sys.stderr, flush=True)
+        if sampler.saved_pack_tokens != sampler.pack_tokens:
+            said = lambda n: f"train.packing=true, pack_tokens {n}" if n else "train.packing=false"  # noqa: E731
+            raise TrainError(f"{last} was trained with {said(sampler.saved_pack_tokens)}, the config says "
+                             f"{said(sampler.pack_tokens)}: its data position holds only under the same plan; resume "
+                             "with the checkpoint's setting (--set train.packing=... train.pack_tokens=...) or start "
+                             "a new train.run_dir")
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
     callbacks = []
     if top.num_nodes > 1:  # every rank's config, store, data plan and checkpoint compared once the group forms

@@ -6,7 +6,8 @@ Contract:
 - A step: decode features on the device -> blocks/labels/weights (pipeline.masks) -> drafter forward with
   one attention mask per layer type (flex on CUDA, SDPA on CPU) -> chunked gamma-weighted CE over the
   frozen head (pipeline.loss), normalised by the weight sum over ALL ranks.
-- Metrics: loss, per-slot accuracy and tau = 1 + sum_k prod_{i<=k} acc_i, for train and validation.
+- Metrics: loss, per-slot accuracy and tau = 1 + sum_k prod_{i<=k} acc_i, for train and validation; the
+  padding fraction of each training batch and its documents per row (train.packing, data/packing.py).
 - A non-finite loss on any rank stops every rank at that step with a hint; the last checkpoint stays good.
 - The learning rate follows `WarmupCosine` over the planned optimizer steps; when the plan changes (a resume
   on another number of ranks, a followed store that ended smaller than planned) the rest of the schedule is
@@ -28,6 +29,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from data.packing import padding_stats
 from pipeline.config import Config
 from pipeline.train_step import build_drafter, step_loss
 from pipeline.encoding import decode
@@ -186,7 +188,7 @@ class DrafterTask(L.LightningModule):
         kind = "flex" if self.device.type == "cuda" else "sdpa"
         loss_sum, correct, blocks, extra = step_loss(self.drafter, tokens, batch["loss_mask"], anchors,
                                                      batch["seq_lens"], self._features(batch), self._embed,
-                                                     self._head, self.cfg, kind)
+                                                     self._head, self.cfg, kind, doc_ids=batch.get("doc_ids"))
         labels, weights = blocks.labels.reshape(-1), blocks.weights.reshape(-1)
         slot = torch.arange(self.bs, device=tokens.device).repeat(B * anchors.shape[1])
         valid = labels >= 0
@@ -225,6 +227,8 @@ class DrafterTask(L.LightningModule):
                        "train/tau": acceptance_length(acc.detach().cpu()),
                        "train/acc_slot1": acc[0].detach()}, prog_bar=True, on_step=True, batch_size=B)
         self.log("train/tokens", float(batch["seq_lens"].sum()), on_step=True, reduce_fx="sum", batch_size=B)
+        pad, per_row = padding_stats(batch)  # packing's effect: padded token slots and documents per row
+        self.log_dict({"train/pad_frac": pad, "train/docs_per_row": per_row}, on_step=True, batch_size=B)
         self.log_dict({f"train/{k}": v for k, v in stats["extra"].items()}, on_step=True, batch_size=B)  # dflash2
         return loss
 

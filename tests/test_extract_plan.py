@@ -12,7 +12,7 @@ import pytest
 
 from helpers_cli import TINY, dflash
 from pipeline.config import load_config
-from stages.plan import RATE_27B_H200, WEIGHT_BYTES_27B, estimate_time, make_plan
+from stages.plan import RATE_27B_H200, WEIGHT_BYTES_27B, estimate_time, estimate_training, make_plan, row_ms
 
 SAMPLES = ["--set", "data.max_samples=100"]
 
@@ -39,6 +39,21 @@ def test_plan_prints_counts_size_disk_time_and_writes_nothing(tmp_path):
     assert re.search(r"plan: store .* \(bf16\): about [0-9.]+ MB = features 768 B/token raw x 0\.773", r.stdout), r.stdout
     assert re.search(r"plan: free disk at .*: [0-9.,]+ GB \(enough\)", r.stdout), r.stdout
     assert "plan: time" in r.stdout and "nothing was written" in r.stdout
+    assert "plan: training time: no measured training rate for this drafter shape" in r.stdout  # the tiny drafter
+
+
+def test_training_estimate_follows_tokens_when_packing():
+    """Issue 28 item 5: unpacked, a short sample costs its measured (per-sample) step time; packed, rows of the
+    plan are timed by their tokens, so a chat mix of 384-token samples trains ~1.75 times faster (8 x 52.6 ms vs 239.5 ms a row)."""
+    big = "configs/qwen3.6-27b.yaml"
+    lengths = [384] * 1024  # 8 to a 3,072-token row: 128 full rows
+    plain, note = estimate_training(load_config(big, []), lengths, 2)
+    assert plain == pytest.approx(6 * 1024 * row_ms(384) / 1000 / 2) and "train.packing off" in note
+    packed, note = estimate_training(load_config(big, ["train.packing=true"]), lengths, 2)
+    assert packed == pytest.approx(6 * 128 * 239.5 / 1000 / 2) and "8.00 samples per 3,072-token row, 100.0% full" in note
+    assert 1.7 < plain / packed < 1.8
+    assert row_ms(1024) == pytest.approx(94.6) and 94.6 < row_ms(2000) < 239.5 and row_ms(8192) > row_ms(3072)
+    assert estimate_training(load_config(None, []), lengths, 1)[0] is None  # the tiny drafter: no measured rate
 
 
 def test_time_estimate_uses_the_measured_27b_rate_and_says_when_it_scales():

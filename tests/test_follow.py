@@ -166,11 +166,14 @@ def _stream_order(store: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tmp_path, packing):
     """Extraction is stopped (Ctrl-C) early: training starts on what is committed, trains, and waits, saying so.
     Extraction resumes; training is stopped (Ctrl-C) and resumed while extraction goes on. In the end every
     training sample was trained exactly once per epoch on one rank; the first epoch in commit order (the
-    stream, recomputed here from the store), continued at the same position after the stop."""
+    stream, recomputed here from the store), continued at the same position after the stop. With packing
+    (train.packing) the stream's batches are packed into rows as they come, the later epochs follow the
+    packing plan of the finished store, and the same holds."""
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
     extract = ["extract", "--config", TINY, "--shards", "2", "--store", store, "--set", "data.max_samples=240",
                "--set", "extract.token_budget=1024"]
@@ -179,6 +182,8 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
              "--set", f"train.run_dir={run}", "--set", "train.num_workers=1", "--set", "train.batch_size=8",
              "--set", "train.epochs=3", "--set", "train.checkpoint_every=4", "--set", "train.log_every=1",
              "--set", "train.follow_buffer=0"]  # no shuffle buffer: epoch 0 is the stream's own order
+    if packing:
+        train += ["--set", "train.packing=true", "--set", "train.pack_tokens=512"]
     x = _cli(*extract, env=slow)
     _until(lambda: _readable_train(store) >= 40, "40 readable training samples", x)  # the run needs 16
     os.killpg(x.pid, signal.SIGINT)  # Ctrl-C: the workers commit what they have and stop
@@ -189,7 +194,8 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
     _until(lambda: log.exists() and "train: waiting for extraction" in log.read_text(), "training to wait", t)
     assert _lines(run, 0) and _lines(run, 1), "training did not start on the committed samples"
     x = _cli(*extract, env=slow)  # extraction resumes: so does training
-    _until(lambda: len(_lines(run, 0)) >= 20 and (run / "checkpoints" / "last.ckpt").exists(), "training to go on", t)
+    going = 10 if packing else 20  # packed epochs after the stream's are short (~8 samples a row): stop inside the stream
+    _until(lambda: len(_lines(run, 0)) >= going and (run / "checkpoints" / "last.ckpt").exists(), "training to go on", t)
     os.killpg(t.pid, signal.SIGINT)  # Ctrl-C of the training; extraction goes on
     assert t.wait(timeout=LONG) == 130, t.stderr.read()[-3000:]
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
@@ -207,11 +213,16 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
     for epoch in range(3):
         ids = [i for rk in (0, 1) for b in per_rank[rk] if b["epoch"] == epoch for i in b["ids"] if i >= 0]
         assert sorted(ids) == sorted(stream), f"epoch {epoch}: each training sample exactly once"
-    # epoch 0 is the stream in rounds: global batch g (8 samples) on rank g % 2, in order on each rank
+    # epoch 0 is the stream in rounds: global batch g (8 samples) on rank g % 2, in order on each rank (packed:
+    # the batch's samples in rows, longest first)
+    order = sorted if packing else list
     for rk in (0, 1):
-        got = [b["ids"] for b in per_rank[rk] if b["epoch"] == 0]
-        want = [stream[8 * g: 8 * g + 8] or [-1] for g in range(rk, 2 * len(got), 2)]
+        got = [order(b["ids"]) for b in per_rank[rk] if b["epoch"] == 0]
+        want = [order(stream[8 * g: 8 * g + 8]) or [-1] for g in range(rk, 2 * len(got), 2)]
         assert got == want, f"rank {rk}"
+    if packing:  # the later epochs: rows of several samples, up to 8 rows a batch (the plan of the finished store)
+        later = [b["ids"] for rk in (0, 1) for b in per_rank[rk] if b["epoch"] > 0 and b["ids"] != [-1]]
+        assert max(len(ids) for ids in later) > 8 and "docs/row" in log.read_text()
 
 
 def test_extraction_plan_puts_validation_first_and_mixes_lengths():

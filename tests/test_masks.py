@@ -161,11 +161,13 @@ def _tiles(num, idx, cols):
     return out
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("block_size", [16, 8, 5, 12, 128])
-def test_block_tables_equal_create_block_mask(block_size):
+def test_block_tables_equal_create_block_mask(block_size, packed):
     """The analytic block tables (no dense grid, nothing compiled) equal create_block_mask evaluating the
     predicate on every pair: partial and full tiles, kv and q (backward) sides, on random ragged batches with
-    padded anchors, short sequences, both window kinds and lengths that are not multiples of 128."""
+    padded anchors, short sequences, both window kinds and lengths that are not multiples of 128; packed rows
+    (several documents per row, doc_ids) with anchors drawn per document, documents shorter than a block."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from pipeline.masks import _pad_anchors, dflash_mask_mod, padded_len
@@ -175,16 +177,25 @@ def test_block_tables_equal_create_block_mask(block_size):
         S = int(torch.randint(20, 700, (1,), generator=g))
         S = padded_len(S) if trial % 2 else S  # block keys aligned to tiles (as training pads) or not
         lens = torch.tensor([S, int(torch.randint(3, S + 1, (1,), generator=g))])
-        per_row = []
-        for n in lens.tolist():
+        per_row, docs = [], torch.full((2, S), -1, dtype=torch.long)
+        for r, n in enumerate(lens.tolist()):
             m = torch.zeros(S, dtype=torch.bool)
             m[:n] = torch.rand(n, generator=g) > 0.2
-            per_row.append(sample_anchors(m, int(torch.randint(1, 40, (1,), generator=g)), g))
+            if not packed:
+                per_row.append(sample_anchors(m, int(torch.randint(1, 40, (1,), generator=g)), g))
+                continue
+            cuts = sorted(set(torch.randint(1, max(2, n), (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()) - {n})
+            row = []
+            for d, (s0, s1) in enumerate(zip([0, *cuts], [*cuts, n])):  # documents [s0, s1), anchors in each
+                docs[r, s0:s1] = d
+                row.append(s0 + sample_anchors(m[s0:s1], int(torch.randint(1, 12, (1,), generator=g)), g))
+            per_row.append(torch.cat(row))
         anchors = stack_anchors(per_row)
+        doc_ids = docs if packed else None
         for window in (None, int(torch.randint(3, 300, (1,), generator=g))):
-            got = flex_block_mask(anchors, block_size, S, lens, window)
+            got = flex_block_mask(anchors, block_size, S, lens, window, doc_ids=doc_ids)
             q_len, kv_len = padded_len(anchors.shape[1] * block_size), padded_len(S + anchors.shape[1] * block_size)
-            mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, S, block_size, window)
+            mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, S, block_size, window, doc_ids=doc_ids)
             ref = create_block_mask(mod, 2, None, q_len, kv_len, device="cpu")
             for num, idx in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
                              ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]:

@@ -1,6 +1,6 @@
 """Exact resume of `dflash train` (issue 23, item 2): killed with SIGKILL at a random step after a checkpoint and
 resumed, a CPU run ends with weights and optimizer state bit-identical to an uninterrupted run, every rank
-consumed the same samples in the same order, and logs/metrics.csv holds the same rows. On another number of
+consumed the same samples in the same order, and logs/metrics.csv holds the same rows; also with packing on. On another number of
 ranks the rest of the interrupted epoch is dealt over the new ranks: every sample once per epoch, the step
 count continues, and the LR schedule is stretched to end at the new last step.
 
@@ -84,9 +84,11 @@ def _rows(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,accumulate", [(2, 1), (1, 2)])
-def test_killed_and_resumed_run_is_bit_identical(store, tmp_path, devices, accumulate):
+@pytest.mark.parametrize("devices,accumulate,packing", [(2, 1, False), (1, 2, False), (2, 2, True)])
+def test_killed_and_resumed_run_is_bit_identical(store, tmp_path, devices, accumulate, packing):
     extra = ("--devices", str(devices), "--set", f"train.accumulate_grad_batches={accumulate}")
+    if packing:  # train.packing: rows of several samples, planned by the sampler (data/packing.py)
+        extra += ("--set", "train.packing=true", "--set", "train.batch_size=1")  # ~4 samples per 256-token row
     ref, run = tmp_path / "ref", tmp_path / "run"
     _run(_args(store, ref, *extra))
     seed = random.randrange(1 << 30)
