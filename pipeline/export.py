@@ -36,150 +36,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter import DFlashDrafter, DrafterArch
-from .errors import UserError
+from .export2 import export_dflash2, load_exported2
+from .export_dir import (_SRC, CHECKSUMS, MODELING_FILE, MODELING_HELPERS, ExportError, _check,  # noqa: F401
+                         _is_export, _replace_dir, contract_keys, hf_config_dict, verify_checksums,
+                         write_checksums)
 from .target import DTYPES
-
-_SRC = Path(__file__).resolve().parent
-
-_LAYER_KEYS = [
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-]
-
-
-def contract_keys(num_layers: int) -> list[str]:
-    """The safetensors keys the public DFlash loaders expect (sorted)."""
-    keys = [f"layers.{i}.{k}" for i in range(num_layers) for k in _LAYER_KEYS]
-    return sorted(keys + ["fc.weight", "hidden_norm.weight", "norm.weight"])
-
-
-# transformers wrapper (trust_remote_code) with the serving contract's and z-lab's calling conventions and
-# spec_generate; it imports drafter.py, masks.py and target_cache.py, copied beside it
-MODELING_FILE = (_SRC / "modeling_dflash.py").read_text()
-MODELING_HELPERS = ("drafter.py", "masks.py", "target_cache.py")
-
-
-def _check(name: str, given, expected) -> None:
-    if given is not None and given != expected:
-        raise ValueError(f"export_drafter: {name}={given!r} differs from the drafter's arch ({expected!r})")
-
-
-def hf_config_dict(
-    arch: DrafterArch,
-    *,
-    vocab_size: int,
-    num_target_layers: int,
-    tie_word_embeddings: bool = False,
-    dtype: str = "bfloat16",
-    for_sglang: bool = False,
-) -> dict:
-    sliding = arch.uses_sliding()
-    cfg = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "block_size": arch.block_size,
-        "num_target_layers": int(num_target_layers),
-        "dflash_config": {
-            "mask_token_id": int(arch.mask_token_id),
-            "target_layer_ids": [int(i) for i in arch.target_layer_ids],
-            "block_size": arch.block_size,
-        },
-        "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.intermediate_size,
-        "num_attention_heads": arch.num_attention_heads,
-        "num_key_value_heads": arch.num_key_value_heads,
-        "head_dim": arch.head_dim,
-        "num_hidden_layers": arch.num_hidden_layers,
-        "vocab_size": int(vocab_size),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "rms_norm_eps": arch.rms_norm_eps,
-        "rope_theta": arch.rope_theta,
-        "rope_parameters": {"rope_theta": arch.rope_theta, "rope_type": "default"},
-        "max_position_embeddings": arch.max_position_embeddings,
-        "initializer_range": arch.initializer_range,
-        "tie_word_embeddings": bool(tie_word_embeddings),
-        "layer_types": list(arch.layer_types),
-        "use_sliding_window": sliding,
-        "sliding_window": arch.sliding_window if sliding else None,
-        "max_window_layers": arch.num_hidden_layers,
-        "use_cache": False,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
-    if arch.is_causal is not None:  # absent = z-lab's default (sliding layers causal in the block, full not)
-        cfg["is_causal"] = bool(arch.is_causal)
-    if not for_sglang:
-        cfg["auto_map"] = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
-    return cfg
-
-
-CHECKSUMS = "checksums.sha256"
-_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
-
-
-class ExportError(UserError, ValueError):
-    """An export directory that cannot be written (a non-empty OUT that is not an export) or that fails its
-    checksums (a damaged file); the message names the directory or the file and the fix."""
-
-
-def _is_export(d: Path) -> bool:
-    try:
-        return any(a in _ARCHITECTURES for a in json.loads((d / "config.json").read_text()).get("architectures") or [])
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def write_checksums(d: Path) -> None:
-    from .checkpoint import sha256_file
-
-    names = sorted(f.name for f in Path(d).iterdir() if f.is_file() and f.name != CHECKSUMS)
-    (Path(d) / CHECKSUMS).write_text("".join(f"{sha256_file(Path(d) / n)}  {n}\n" for n in names))
-
-
-def verify_checksums(d: str | Path, what: str = "") -> bool:
-    """Check every file listed in d/checksums.sha256 (False when the export has none: an older or foreign one);
-    raise ExportError naming the first file that is missing or differs."""
-    from .checkpoint import sha256_file
-
-    d = Path(d)
-    listed = d / CHECKSUMS
-    if not listed.is_file():
-        return False
-    for n, line in enumerate(listed.read_text().splitlines(), 1):
-        digest, _, name = line.partition("  ")
-        if not name or "/" in name or len(digest) != 64:
-            raise ExportError(f"{what}{listed}:{n}: not a '<sha256>  <file>' line; re-export the drafter")
-        f = d / name
-        if not f.is_file():
-            raise ExportError(f"{what}{f} is missing (listed in {listed}); the export is incomplete: copy it again")
-        if sha256_file(f) != digest:
-            raise ExportError(f"{what}{f} is damaged: its sha256 differs from {listed}'s; copy the export again "
-                              f"or re-export it (`dflash export RUN DIR`); edited on purpose: remove {listed}")
-    return True
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Put the finished directory `tmp` at `out`, replacing an earlier export there (never a half-written one)."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    old = out.with_name(f".{out.name}.old{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
 
 def export_drafter(
     drafter: DFlashDrafter,
@@ -224,8 +85,6 @@ def _write_export(
     weights' dtype. for_sglang: omit auto_map (SGLang rejects it); the modeling files are still written.
     """
     if hasattr(drafter, "candidate_selector"):  # DFlash 2: its own contract (pipeline/export2.py)
-        from .export2 import export_dflash2
-
         return export_dflash2(drafter, out_dir, vocab_size=vocab_size, num_target_layers=num_target_layers,
                               tie_word_embeddings=tie_word_embeddings, dtype=dtype, for_sglang=for_sglang,
                               extra_metadata=extra_metadata)
@@ -262,8 +121,6 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     if "partial_rotary_factor" in meta:
         raise ValueError(f"{path}/config.json has partial_rotary_factor: the drafter uses full rotary embeddings")
     if "DFlash2DraftModel" in (meta.get("architectures") or []):  # DFlash 2 (pipeline/export2.py)
-        from .export2 import load_exported2
-
         return load_exported2(path, meta, device, dtype)
     arch = DrafterArch.from_exported(meta)
     state = load_file(str(path / "model.safetensors"))

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter2 import DFLASH2_KEYS, DFlash2Arch, DFlash2Drafter
-from .export import _SRC, MODELING_FILE, MODELING_HELPERS, _check, contract_keys, hf_config_dict
+from .export_dir import _SRC, MODELING_FILE, MODELING_HELPERS, _check, contract_keys, hf_config_dict
 from .target import DTYPES
 
 ARCHITECTURE = "DFlash2DraftModel"
