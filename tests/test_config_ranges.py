@@ -103,7 +103,8 @@ def test_the_bounds_themselves_and_null_are_accepted_where_allowed(section, key)
              ("drafter", "num_attention_heads"): ["drafter.num_key_value_heads=1"],
              ("drafter", "num_hidden_layers"): ["drafter.layer_types=null"],
              ("drafter", "sliding_window"): ["drafter.layer_types=null"],
-             ("train", "anchors_per_token"): ["train.anchor_rule=proportional"]}.get((section, key), [])
+             ("train", "anchors_per_token"): ["train.anchor_rule=proportional"],
+             ("train", "pack_tokens"): ["train.packing=true", "data.max_length=1"]}.get((section, key), [])
     for good in _good_values(RANGES[(section, key)], tp, nullable):
         value = _yaml(good)
         value = f"[{value}, {value}]" if key == "betas" else f"[{value}]" if is_list and good is not None else value
