@@ -392,6 +392,9 @@ def flex_block_mask(
             _COMPILED["tables"] = torch.compile(_all_tables)
         build = _COMPILED["tables"]
     docs = None if doc_ids is None else doc_ids.to(dev).long()
+    # the rule resolved before the compiled builder sees it: None and its meaning (causal exactly when windowed)
+    # are one graph, not two (a guard on the argument's value would recompile the tables for each spelling)
+    causal = (window is not None) if causal is None else bool(causal)
     kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = build(anchors.long(), lens, block_size, ctx_len, window, causal,
                                                            docs)
     mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, ctx_len, block_size, window, causal, docs)

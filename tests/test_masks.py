@@ -308,3 +308,25 @@ def test_block_tables_equal_create_block_mask_for_is_causal(block_size):
                 cols = getattr(ref, idx).shape[-1]
                 assert torch.equal(_tiles(getattr(got, num), getattr(got, idx), cols),
                                    _tiles(getattr(ref, num), getattr(ref, idx), cols)), (trial, window, idx)
+
+
+def test_the_compiled_table_builder_sees_one_spelling_of_each_rule(monkeypatch):
+    """flex_block_mask resolves `causal` before the compiled builder: None (causal exactly when windowed) and the
+    bool it means reach it as the same argument, so a direct call and make_attend's call share one compiled graph
+    (on the H200 the two spellings compiled the tables twice per window kind: 6 graphs where 4 are expected)."""
+    import pipeline.masks as m
+
+    seen = []
+
+    def builder(*args):
+        seen.append(args[5])
+        return m._all_tables(*args)
+
+    monkeypatch.setitem(m._COMPILED, "tables", builder)
+    anchors, lens = torch.tensor([[3, 40, 90]]), torch.tensor([120])
+    for window, meant in ((None, False), (24, True)):
+        seen.clear()
+        a = m.flex_block_mask(anchors, 8, 128, lens, window, compile=True)
+        b = m.flex_block_mask(anchors, 8, 128, lens, window, compile=True, causal=meant)
+        assert seen == [meant, meant] and all(type(x) is bool for x in seen)
+        assert torch.equal(a.to_dense(), b.to_dense())
