@@ -6,7 +6,7 @@ Contract:
   new numeric key comes with its range.
 - `check_ranges(cfg)` (called by `config._validate` before its checks that relate keys to each other) raises
   `ConfigError` for the first value outside its range, as one line naming the file, the key, the allowed range
-  and the value: `FILE: train.warmup_ratio must be in [0, 1), got 7.0`. Floats must be finite: NaN and inf are
+  and the value: `FILE: train.warmup_ratio must be in [0, 1], got 7.0`. Floats must be finite: NaN and inf are
   outside every range. None passes where the field's type allows it (the range text says what null means).
 """
 
@@ -96,7 +96,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("train", "lr"): POSITIVE,
     ("train", "weight_decay"): ZERO_UP,
     ("train", "betas"): Range(0, 1, hi_open=True, length=2),
-    ("train", "warmup_ratio"): RATIO,
+    ("train", "warmup_ratio"): Range(0, 1),  # 1: warm up over the whole run (the LR rises to its peak at the end)
     ("train", "epochs"): COUNT,
     ("train", "max_steps"): Range(1, also=(-1,), text="-1 (run all epochs) or 1 or more"),
     ("train", "grad_clip"): Range(0, text="0 or more, or null (0 and null: no clipping)"),
