@@ -93,7 +93,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("drafter", "selector_top_k"): COUNT,
     ("drafter", "output_multiplier"): POSITIVE,
     ("drafter", "final_logit_softcapping"): Range(0, lo_open=True, text="positive, or null for none"),
-    ("train", "lr"): POSITIVE,
+    ("train", "lr"): Range(0, text="0 or more"),  # 0: the weights stay as they are (a warm-start check)
     ("train", "weight_decay"): ZERO_UP,
     ("train", "betas"): Range(0, 1, hi_open=True, length=2),
     ("train", "warmup_ratio"): Range(0, 1),  # 1: warm up over the whole run (the LR rises to its peak at the end)

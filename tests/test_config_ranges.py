@@ -121,7 +121,7 @@ def test_the_bounds_themselves_and_null_are_accepted_where_allowed(section, key)
 @pytest.mark.parametrize("setting,text", [
     ("train.warmup_ratio=7", "train.warmup_ratio must be in [0, 1], got 7.0"),
     ("train.grad_clip=-1", "train.grad_clip must be 0 or more, or null (0 and null: no clipping), got -1.0"),
-    ("train.lr=-3e-4", "train.lr must be positive, got -0.0003"),
+    ("train.lr=-3e-4", "train.lr must be 0 or more, got -0.0003"),
     ("train.num_workers=-1", "train.num_workers must be 0 or more, got -1"),
 ])
 def test_the_cli_refuses_the_issues_values_before_creating_anything(setting, text, tmp_path):
