@@ -18,13 +18,16 @@ from pipeline.ckpt_io import load_training_checkpoint
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
-# the CLI, SIGKILLed when the validation of step 4 starts (its checkpoint, step4.ckpt, is already written)
+# the CLI, SIGKILLed when the validation of step 4 starts, once its checkpoint (step4.ckpt, written in the
+# background: stages/train_ckpt_io.py) is in place and last.ckpt names it
 _KILL_AT_VALIDATION_OF_STEP_4 = """
 import os, signal, sys
 from stages.train_task import DrafterTask
 start = DrafterTask.on_validation_start
 def on_validation_start(self):
     if self.global_step == 4:
+        from stages.train_ckpt_io import wait_for_checkpoints
+        wait_for_checkpoints(self.trainer)  # checkpoints are written behind training: step4.ckpt is now whole
         os.kill(os.getpid(), signal.SIGKILL)
     return start(self)
 DrafterTask.on_validation_start = on_validation_start
