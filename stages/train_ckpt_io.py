@@ -8,7 +8,8 @@ Contract:
 - Every write is atomic: a temporary file next to the target, fsync, rename, fsync of the directory. A crash or
   an error during a write leaves the previous file as it was; a write error is raised by the next save or wait.
 - What must follow a write (ModelCheckpoint's `last.ckpt` link to the new step file, the removal of the step
-  file it replaces) runs after the rename (`after_write`), so `last.ckpt` always names a complete file.
+  file it replaces) runs after the rename (`after_write`), so `last.ckpt` always names a complete file; after a
+  failed write it never runs (the previous checkpoint and its link stay).
 - Loading (`--resume`) goes through pipeline.ckpt_io: weights_only with dflash's allow-list, whatever Lightning
   asks for, so a planted last.ckpt cannot run code. A write that fails with OSError (a full disk) names its file
   (`e.filename`), which pipeline.preflight's one-line disk message reads.
@@ -139,11 +140,17 @@ class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: 
                  f"memory; the write behind it took {time.perf_counter() - t0:.1f} s")
 
     def after_write(self, fn: Callable[[], None]) -> None:
-        """Run `fn` once the write in flight is in place (now when there is none)."""
+        """Run `fn` once the write in flight is in place (now when there is none). When that write failed (it
+        can fail before Lightning asks for what follows it: a disk already full), `fn` is dropped: the link and
+        the removal it stands for follow a file that is not there, and the previous checkpoint stays named by
+        last.ckpt (the write's error is raised by the next save or wait)."""
         with self._lock:
             if self._writing:
                 self._after.append(fn)
                 return
+            pending = self._pending
+        if pending is not None and pending.done() and pending.exception() is not None:
+            return
         fn()
 
     def remove_checkpoint(self, path) -> None:

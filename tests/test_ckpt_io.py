@@ -91,6 +91,31 @@ def test_a_failed_write_keeps_the_previous_file_and_raises_at_the_next_wait(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_what_follows_a_failed_write_is_dropped_even_when_asked_for_after_the_failure(tmp_path, monkeypatch):
+    """A write can fail before Lightning asks for the link and the removal that follow it (a full disk fails at
+    once): those actions are dropped, so last.ckpt keeps naming the previous, complete checkpoint and that
+    checkpoint is not removed (seen in test_disk_full's end-to-end run: a dangling last.ckpt, step 2 deleted)."""
+    old = tmp_path / "step2.ckpt"
+    io = AsyncCheckpointIO(log=lambda s: None)
+    io.save_checkpoint(ckpt(2.0), old)
+    io.wait()
+
+    def disk_full(obj, f):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(io_mod.torch, "save", disk_full)
+    io.save_checkpoint(ckpt(4.0), tmp_path / "step4.ckpt")
+    while not io._pending.done():  # the write has failed before anything asks for what follows it
+        time.sleep(0.01)
+    ran = []
+    io.after_write(lambda: ran.append("link last.ckpt -> step4.ckpt"))
+    io.remove_checkpoint(old)
+    assert ran == [] and old.exists()
+    with pytest.raises(OSError, match="No space left"):
+        io.wait()
+    io.after_write(lambda: ran.append("after the error was raised"))  # a later, good state runs its actions
+    assert ran == ["after the error was raised"]
+
+
 KILLED_WRITER = r"""
 import sys, time, torch
 sys.path.insert(0, sys.argv[2])
