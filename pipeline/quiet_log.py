@@ -28,7 +28,8 @@ WARNINGS: list[tuple[str, str]] = [
     (r"Consider setting `persistent_workers=True` in 'val_dataloader'", "validation is rare"),
     # Inductor's choice of a two-pass softmax where its online-softmax kernel does not apply (it has them only for
     # Triton, i.e. not on the CPU, and not for every shape): a kernel choice, the same math
-    (r"Online softmax is disabled", "an Inductor kernel choice"),
+    # (its text starts with a newline: the pattern allows leading whitespace)
+    (r"\s*Online softmax is disabled", "an Inductor kernel choice"),
     # validation metrics are all-reduced by the task itself before they are logged (train_task's
     # on_validation_epoch_end), which Lightning cannot see: its advice to sync them again does not apply
     (r"It is recommended to use `self.log\('val/", "val metrics are all-reduced already"),
@@ -38,8 +39,12 @@ WARNINGS: list[tuple[str, str]] = [
 ]
 
 # (guard-failure regex, what it means) of the recompiles a drafter layer legitimately has (stages/train_task.py
-# counts them: input requires_grad x layer type x grad mode x static then dynamic shapes, up to 16)
+# counts them: input requires_grad x layer type x grad mode x static then dynamic shapes, up to 16), and those of
+# the compiled BlockMask table builder (pipeline/masks.py `_all_tables`: one variant per window kind, sliding
+# (causal) and full, each static then dynamic in the context length; seen on the H200 in a chat-mix run)
 RECOMPILES: list[tuple[str, str]] = [
+    (r"\bcausal == (True|False)\b", "the other attention kind (sliding window or full)"),
+    (r"\bctx_len == \d+", "new shapes (dynamic from now on)"),
     (r"requires_grad mismatch", "the input's requires_grad (the first layer's input needs no gradient)"),
     (r"layer_type ==", "another layer type"),
     (r"GLOBAL_STATE changed: grad_mode", "grad mode (validation runs without gradients)"),

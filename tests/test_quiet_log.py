@@ -51,6 +51,42 @@ def test_expected_recompiles_are_named_and_others_are_not():
     assert expected_recompile("Recompiling function f in x.py:1\n    triggered by the following guard failure(s):") is None
 
 
+# the BlockMask table builder's fourth variant as torch 2.11 printed it on the H200 (2026-12-01, chat-mix run)
+TABLES_DUMP = """Recompiling function _all_tables in /work/main/pipeline/masks.py:357
+    triggered by the following guard failure(s):
+    - 0/2: causal == True                                           # causal = (window is not None) if causal is None else bool(causal)  # ork/main/pipeline/masks.py:299 in block_tables
+    - User stack trace:
+    -   File "/work/main/pipeline/masks.py", line 360, in _all_tables
+    -     partial, full = block_tables(anchors, block_size, ctx_len, seq_lens, window, causal=causal, doc_ids=doc_ids)
+    - 0/1: ctx_len == 1024                                          # q_len, kv_len = padded_len(A * block_size, tile), padded_len(ctx_len + A * block_size, tile)  # ork/main/pipeline/masks.py:287 in block_tables
+    - User stack trace:
+    -   File "/work/main/pipeline/masks.py", line 360, in _all_tables
+    -     partial, full = block_tables(anchors, block_size, ctx_len, seq_lens, window, causal=causal, doc_ids=doc_ids)
+    - 0/0: causal == True                                           # causal = (window is not None) if causal is None else bool(causal)  # ork/main/pipeline/masks.py:299 in block_tables"""
+
+
+def test_the_table_builders_recompiles_are_expected():
+    from pipeline.quiet_log import expected_recompile
+
+    assert expected_recompile(TABLES_DUMP) == ["the other attention kind (sliding window or full)",
+                                               "new shapes (dynamic from now on)"]
+    assert expected_recompile(TABLES_DUMP.replace("ctx_len == 1024", "block_size == 16")) is None
+
+
+def test_inductors_online_softmax_warning_is_filtered_with_its_leading_newline():
+    """Inductor's text starts with a newline (torch/_inductor/lowering.py); a filter anchored at the first
+    character missed it on the H200. `warnings.filterwarnings(message=...)` matches like this (re.I, match)."""
+    import re
+
+    from pipeline.quiet_log import WARNINGS
+
+    def filtered(msg: str) -> bool:
+        return any(re.compile(p, re.I).match(msg) for p, _ in WARNINGS)
+
+    assert filtered("\nOnline softmax is disabled on the fly since Inductor decides to\nsplit the reduction.")
+    assert not filtered("\nsomething else: Online softmax is disabled")
+
+
 def test_a_real_dynamo_recompile_is_one_line_when_expected_and_the_whole_dump_when_not(capsys):
     """Through dynamo itself (eager backend): requires_grad, shape and grad-mode recompiles become one `train:`
     line each; a recompile on a changed Python value reaches torch's handlers unchanged."""
