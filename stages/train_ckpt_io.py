@@ -58,6 +58,22 @@ def write_atomic(obj, path: Path) -> None:
         os.close(fd)
 
 
+def fast_pinning() -> bool:
+    """Pin host memory with cudaHostRegister over several threads instead of one cudaHostAlloc per buffer (torch's
+    `pinned_use_cuda_host_register`): the first checkpoint pins ~21 GB at the 27B shape, which cost training a 15 s
+    stall on the H200 (2026-12-01) in one thread. A setting of torch's host allocator only (same buffers, same
+    bytes); False where this torch has no such setting (then pinning stays as it was)."""
+    opts = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    for name in ("torch._C._accelerator_setAllocatorSettings", "torch.cuda.memory._set_allocator_settings"):
+        mod, _, fn = name.rpartition(".")
+        try:
+            getattr(__import__(mod, fromlist=[fn]), fn)(opts)
+            return True
+        except (AttributeError, ImportError, RuntimeError, TypeError, ValueError):
+            continue
+    return False
+
+
 class HostCopy:
     """Copies a checkpoint's tensors to host memory; on CUDA into pinned buffers kept for the next save."""
 
@@ -90,6 +106,8 @@ class HostCopy:
         i, self.i = self.i, self.i + 1
         buf = self.buffers[i] if i < len(self.buffers) else None
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            if not self.buffers and i == 0:
+                fast_pinning()  # before the first pinned buffer: the allocator reads it once
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             if i < len(self.buffers):
                 self.buffers[i] = buf

@@ -183,3 +183,11 @@ def test_cuda_tensors_go_to_pinned_buffers_reused_by_the_next_save():
     w.add_(1.0)
     second = copy({"state_dict": {"w": w}, "step": 2})
     assert second["state_dict"]["w"].data_ptr() == buf and torch.equal(second["state_dict"]["w"], w.cpu())
+
+
+def test_fast_pinning_finds_torchs_host_allocator_setting():
+    """The setting exists under one of the names tried (torch 2.11 on the GPU host, 2.13 here): a rename in a later
+    torch would silently bring back the 15 s first-checkpoint stall, so this fails instead."""
+    from stages.train_ckpt_io import fast_pinning
+
+    assert fast_pinning() is True
