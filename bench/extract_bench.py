@@ -42,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.timing import device_sync, timed  # noqa: E402
+
 # the real 27B shapes; "tiny" keeps every structural choice (layer pattern, head dims the kernels accept, rope
 # layout) at sizes a CPU runs in seconds
 SHAPES = {
@@ -175,9 +177,7 @@ def main(argv=None) -> None:
     padded = sum(max(l) * len(l) for _, _, l in batches)
     base = model.get_decoder()
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    sync = device_sync(dev)
 
     def bare(batches=batches):
         for _, ids, lens in batches:
@@ -187,11 +187,7 @@ def main(argv=None) -> None:
 
     def time_bare() -> float:
         with torch.inference_mode():
-            sync()
-            t0 = time.perf_counter()
-            bare()
-            sync()
-            return time.perf_counter() - t0
+            return timed(bare, sync)
 
     # warm-up: one whole untimed pass. It pays Triton's autotuning and compiles on a cold kernel cache (reported
     # as first_pass_s) and the caching allocator's growth; timing it made extraction look faster than the bare

@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.timing import device_sync, timed  # noqa: E402
+
 # kernel name fragments -> family, first match wins (lower-case)
 FAMILIES = (
     ("fla GDN", ("chunk_gated_delta", "chunk_fwd", "chunk_gated", "recompute_w_u", "solve_tril", "merge_16x16",
@@ -120,26 +122,15 @@ def main(argv=None) -> None:
     batches = [torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=gen) for _ in range(max(1, a.batches))]
     n_tok = a.batch * a.seq
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    sync = device_sync(dev)
 
     def one(ids):
         base(input_ids=ids.to(dev), attention_mask=torch.ones_like(ids).to(dev), use_cache=False)
 
     def measure(label: str) -> dict:
         with torch.inference_mode():
-            sync()
-            t = time.perf_counter()
-            one(batches[0])  # cold kernel cache: autotuning and compiles
-            sync()
-            first = time.perf_counter() - t
-            times = []
-            for _ in range(a.reps):
-                t = time.perf_counter()
-                one(batches[0])
-                sync()
-                times.append(time.perf_counter() - t)
+            first = timed(lambda: one(batches[0]), sync)  # cold kernel cache: autotuning and compiles
+            times = [timed(lambda: one(batches[0]), sync) for _ in range(a.reps)]
             prof = profile_families(lambda: one(batches[0]), cuda)
         best = min(times)
         r = {"first_pass_s": first, "times_s": times, "tok_s": n_tok / best, "tok_s_median": n_tok / sorted(times)[len(times) // 2],
@@ -172,12 +163,11 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one, st, FeatureCap
     """Extraction tokens/s per encoding with the installed forward, against its bare forward on the same batches."""
     n_tok = sum(b.numel() for b in batches)
     with torch.inference_mode():
-        sync()
-        t = time.perf_counter()
-        for ids in batches:
-            one(ids)
-        sync()
-        bare_s = time.perf_counter() - t
+        def bare():
+            for ids in batches:
+                one(ids)
+
+        bare_s = timed(bare, sync)
     out = {"tokens": n_tok, "bare_tok_s": n_tok / bare_s, "encodings": {}}
     root = a.store_dir or tempfile.mkdtemp(prefix="dflash-ffbench-")
     hidden = cfg.hidden_size
