@@ -21,7 +21,8 @@ writer finishing the last queued batches after the final forward: paid once per 
 (pipeline/fast_forward.py; bench/fastfwd_bench.py compares it with the reference); `--forward reference` runs
 transformers' forward, as the figures before 2026-12-01 did.
 
-`build_model(arch=..., keep_layers=...)` is reusable: other benches build the same random 27B target with it.
+`build_model(arch=..., keep_layers=...)` is reusable: other benches build the same random 27B target with it
+(and `kernel_cache`, `bench_store`, `timed_extract` its extraction runs).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.timing import device_sync, timed  # noqa: E402
+
 # the real 27B shapes; "tiny" keeps every structural choice (layer pattern, head dims the kernels accept, rope
 # layout) at sizes a CPU runs in seconds
 SHAPES = {
@@ -56,6 +59,16 @@ SHAPES = {
     ("qwen3", "tiny"): dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=64),
 }
+
+
+def kernel_cache(dev: torch.device, path: str | None) -> Path | None:
+    """Triton's kernel cache for a run on `dev` (--kernel-cache `path`, else dflash's kept one: pipeline/kernels.py);
+    its directory, None off CUDA. Call it before transformers imports the kernels."""
+    from pipeline.kernels import use_kernel_cache
+
+    if path:
+        os.environ["TRITON_CACHE_DIR"] = path
+    return use_kernel_cache() if dev.type == "cuda" else None
 
 
 def model_config(arch: str = "qwen3_5", size: str = "real", **overrides):
@@ -106,6 +119,46 @@ def build_model(arch: str = "qwen3_5", size: str = "real", keep_layers: int | No
     return model.eval().requires_grad_(False), full
 
 
+def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_length: int):
+    """(path, writer): a fresh one-shard store root/<enc>.zarr of the benchmark target `cfg` (build_model's full
+    config) with the provenance `dflash extract` writes, and its shard 0's writer."""
+    from pipeline import store as st
+
+    path = os.path.join(root, f"{enc}.zarr")
+    shutil.rmtree(path, ignore_errors=True)
+    hidden = cfg.hidden_size
+    prov = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "bench", "hidden_size": hidden,
+            "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers, "tie_word_embeddings": False},
+            "layer_ids": layer_ids, "hidden_size": hidden, "encoding": enc, "chunk_tokens": 256, "clevel": clevel,
+            "num_shards": 1, "dataset": {"fingerprint": "bench"}, "max_length": max_length}
+    st.create_or_open_store(path, prov)
+    return path, st.ShardWriter(path, 0, prov)
+
+
+def timed_extract(model, layer_ids: list, enc: str, dev: torch.device, batches, on_batch, sync) -> tuple:
+    """(wall s, fed s) of one `pipelined_extract` run (capture, GPU encode, pinned side-stream copy, writer thread)
+    over `batches` ((members, ids, lens) each), `on_batch` writing. fed s: until the loop asked past the last batch
+    (its forward queued), i.e. without the drain of the last batches' capture, copy and write (once per shard)."""
+    from pipeline.target import FeatureCapture
+    from stages.extract_worker import pipelined_extract
+
+    capture = FeatureCapture(model, layer_ids)
+    drained = [None]
+
+    def feed():
+        yield from batches
+        drained[0] = time.perf_counter()
+
+    sync()
+    t0 = time.perf_counter()
+    try:
+        pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
+        sync()
+    finally:
+        capture.remove()
+    return time.perf_counter() - t0, drained[0] - t0
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="qwen3_5", choices=["qwen3_5", "qwen3"])
@@ -129,17 +182,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
-    from pipeline import store as st
     from pipeline.config import build_target_layer_ids
-    from pipeline.kernels import kernel_report, use_kernel_cache
-    from pipeline.target import FeatureCapture
-    from stages.extract_worker import pipelined_extract, plan_batches
+    from pipeline.kernels import kernel_report
+    from stages.extract_worker import plan_batches
 
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    if a.kernel_cache:
-        os.environ["TRITON_CACHE_DIR"] = a.kernel_cache
-    kernel_dir = use_kernel_cache() if cuda else None  # before transformers imports the kernels
+    kernel_dir = kernel_cache(dev, a.kernel_cache)  # before transformers imports the kernels
     size = "tiny" if a.tiny else "real"
     overrides = {"num_hidden_layers": a.layers} if a.layers else {}
     n_layers = a.layers or SHAPES[(a.arch, size)]["num_hidden_layers"]
@@ -175,9 +224,7 @@ def main(argv=None) -> None:
     padded = sum(max(l) * len(l) for _, _, l in batches)
     base = model.get_decoder()
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    sync = device_sync(dev)
 
     def bare(batches=batches):
         for _, ids, lens in batches:
@@ -187,11 +234,7 @@ def main(argv=None) -> None:
 
     def time_bare() -> float:
         with torch.inference_mode():
-            sync()
-            t0 = time.perf_counter()
-            bare()
-            sync()
-            return time.perf_counter() - t0
+            return timed(bare, sync)
 
     # warm-up: one whole untimed pass. It pays Triton's autotuning and compiles on a cold kernel cache (reported
     # as first_pass_s) and the caching allocator's growth; timing it made extraction look faster than the bare
@@ -207,14 +250,7 @@ def main(argv=None) -> None:
     runs = [(enc, w) for enc in a.encodings.split(",") for w in a.writers.split(",")]
     for enc, variant in runs:
         key = enc if variant == "thread" else f"{enc}/{variant}"
-        path = os.path.join(root, f"{enc}.zarr")
-        shutil.rmtree(path, ignore_errors=True)
-        prov = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "bench", "hidden_size": hidden,
-                "vocab_size": vocab, "num_hidden_layers": n_layers, "tie_word_embeddings": False},
-                "layer_ids": layer_ids, "hidden_size": hidden, "encoding": enc, "chunk_tokens": 256, "clevel": a.clevel,
-                "num_shards": 1, "dataset": {"fingerprint": "bench"}, "max_length": 3072}
-        st.create_or_open_store(path, prov)
-        writer = st.ShardWriter(path, 0, prov)
+        path, writer = bench_store(root, enc, cfg, layer_ids, a.clevel, 3072)
         busy = [0.0]
 
         def on_batch(members, parts, bad, writer=writer, variant=variant):
@@ -226,26 +262,13 @@ def main(argv=None) -> None:
                                    np.ones(T, np.uint8), parts)
             busy[0] += time.perf_counter() - t
 
-        capture = FeatureCapture(model, layer_ids)
-        drained = [None]
-
-        def feed():  # the time the loop asks past the last batch = its forward is done (the drain starts)
-            yield from batches
-            drained[0] = time.perf_counter()
-
         interval = sys.getswitchinterval()
         if variant == "switch":
             sys.setswitchinterval(a.switch_interval)
-        sync()
-        t0 = time.perf_counter()
         try:
-            pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
-            sync()
+            ext_s, fwd_s = timed_extract(model, layer_ids, enc, dev, batches, on_batch, sync)
         finally:
             sys.setswitchinterval(interval)
-        ext_s = time.perf_counter() - t0
-        fwd_s = drained[0] - t0  # excludes only the writer's drain of the last batches (once per shard)
-        capture.remove()
         disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
         bpt = disk / n_tok
         results["encodings"][key] = {"variant": variant, "switch_interval": a.switch_interval if variant == "switch" else interval,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.timing import device_sync, timed  # noqa: E402
 
 # kernel name fragments -> family, first match wins (lower-case)
 FAMILIES = (
@@ -94,19 +95,12 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     import pipeline.fast_forward as ff
-    from pipeline import store as st
     from pipeline.config import build_target_layer_ids
-    from pipeline.kernels import use_kernel_cache
-    from pipeline.target import FeatureCapture
-    from stages.extract_worker import pipelined_extract
+    from bench.extract_bench import SHAPES, build_model, kernel_cache
 
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    if a.kernel_cache:
-        os.environ["TRITON_CACHE_DIR"] = a.kernel_cache
-    if cuda:
-        use_kernel_cache()
-    from bench.extract_bench import SHAPES, build_model
+    kernel_cache(dev, a.kernel_cache)
 
     size = "tiny" if a.tiny else "real"
     n_layers = SHAPES[("qwen3_5", size)]["num_hidden_layers"]
@@ -120,26 +114,15 @@ def main(argv=None) -> None:
     batches = [torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=gen) for _ in range(max(1, a.batches))]
     n_tok = a.batch * a.seq
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    sync = device_sync(dev)
 
     def one(ids):
         base(input_ids=ids.to(dev), attention_mask=torch.ones_like(ids).to(dev), use_cache=False)
 
     def measure(label: str) -> dict:
         with torch.inference_mode():
-            sync()
-            t = time.perf_counter()
-            one(batches[0])  # cold kernel cache: autotuning and compiles
-            sync()
-            first = time.perf_counter() - t
-            times = []
-            for _ in range(a.reps):
-                t = time.perf_counter()
-                one(batches[0])
-                sync()
-                times.append(time.perf_counter() - t)
+            first = timed(lambda: one(batches[0]), sync)  # cold kernel cache: autotuning and compiles
+            times = [timed(lambda: one(batches[0]), sync) for _ in range(a.reps)]
             prof = profile_families(lambda: one(batches[0]), cuda)
         best = min(times)
         r = {"first_pass_s": first, "times_s": times, "tok_s": n_tok / best, "tok_s_median": n_tok / sorted(times)[len(times) // 2],
@@ -161,35 +144,27 @@ def main(argv=None) -> None:
         print(f"fast forward FAILED: {results['fast_error']}", flush=True)
     if "fast" in results:
         results["speedup"] = results["fast"]["tok_s"] / results["reference"]["tok_s"]
-        results["extraction"] = extraction(a, model, layer_ids, cfg, batches, dev, sync, one, st, FeatureCapture,
-                                           pipelined_extract)
+        results["extraction"] = extraction(a, model, layer_ids, cfg, batches, dev, sync, one)
     _print(results)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
 
 
-def extraction(a, model, layer_ids, cfg, batches, dev, sync, one, st, FeatureCapture, pipelined_extract) -> dict:
+def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
     """Extraction tokens/s per encoding with the installed forward, against its bare forward on the same batches."""
+    from bench.extract_bench import bench_store, timed_extract
+
     n_tok = sum(b.numel() for b in batches)
     with torch.inference_mode():
-        sync()
-        t = time.perf_counter()
-        for ids in batches:
-            one(ids)
-        sync()
-        bare_s = time.perf_counter() - t
+        def bare():
+            for ids in batches:
+                one(ids)
+
+        bare_s = timed(bare, sync)
     out = {"tokens": n_tok, "bare_tok_s": n_tok / bare_s, "encodings": {}}
     root = a.store_dir or tempfile.mkdtemp(prefix="dflash-ffbench-")
-    hidden = cfg.hidden_size
     for enc in a.encodings.split(","):
-        path = os.path.join(root, f"{enc}.zarr")
-        shutil.rmtree(path, ignore_errors=True)
-        prov = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "bench", "hidden_size": hidden,
-                "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers, "tie_word_embeddings": False},
-                "layer_ids": layer_ids, "hidden_size": hidden, "encoding": enc, "chunk_tokens": 256, "clevel": 1,
-                "num_shards": 1, "dataset": {"fingerprint": "bench"}, "max_length": a.seq}
-        st.create_or_open_store(path, prov)
-        writer = st.ShardWriter(path, 0, prov)
+        path, writer = bench_store(root, enc, cfg, layer_ids, 1, a.seq)
 
         def on_batch(members, parts, bad, writer=writer):
             T = parts["features"].shape[0]
@@ -197,23 +172,11 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one, st, FeatureCap
             writer.write_batch(np.arange(n, dtype=np.uint64), np.zeros(n, np.uint8),
                                np.array([a.seq] * n, np.int32), np.zeros(T, np.int32), np.ones(T, np.uint8), parts)
 
-        capture = FeatureCapture(model, layer_ids)
-        drained = [None]
-
-        def feed():  # asked past the last batch = its forward is queued: the writer's drain starts
-            yield from ((list(range(b.shape[0])), b, [b.shape[1]] * b.shape[0]) for b in batches)
-            drained[0] = time.perf_counter()
-
-        sync()
-        t = time.perf_counter()
-        try:
-            pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
-            sync()
+        feed = [(list(range(b.shape[0])), b, [b.shape[1]] * b.shape[0]) for b in batches]
+        try:  # before: the last forward queued; its capture, copy and write (once per shard) follow
+            wall, before = timed_extract(model, layer_ids, enc, dev, feed, on_batch, sync)
         finally:
-            capture.remove()
             writer.close()
-        wall = time.perf_counter() - t
-        before = drained[0] - t  # the last forward queued; its capture, copy and write (once per shard) follow
         out["encodings"][enc] = {"tok_s": n_tok / wall, "ratio_vs_bare": bare_s / wall, "wall_s": wall,
                                  "ratio_before_drain": bare_s / before}
         print(f"extract {enc}: {n_tok / wall:.0f} tokens/s, {bare_s / wall:.3f} of the bare forward "

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
 import traceback
 
 import torch
-from train_bench import TINY, build_case, sync, train_step, useful_flops
+from timing import device_sync, timed
+from train_bench import TINY, build_case, train_step, useful_flops
 
 from pipeline.compile_setup import inductor_workarounds
 from pipeline.masks import dense_mask
@@ -51,16 +51,14 @@ def run_point(S: int, A: int, a: argparse.Namespace, shape: dict) -> dict:
         inductor_workarounds()  # as `dflash train` (pipeline/compile_setup.py)
         opts = getattr(a, "compile_options", None)  # bench/compile_diag.py: other Inductor options, to compare
         c.drafter.compile_layers(**({} if opts is None else {"options": opts}))  # what `dflash train` does
-    t0 = time.perf_counter()
-    loss = train_step(c, mode)
-    sync(dev)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = train_step(c, mode)
-    sync(dev)
-    dt = (time.perf_counter() - t0) / a.steps
-    loss = float(loss)
+    losses = []
+
+    def step():
+        losses.append(train_step(c, mode))
+
+    first = timed(step, device_sync(dev))
+    dt = timed(step, device_sync(dev), n=a.steps) / a.steps
+    loss = float(losses[-1])
     if loss != loss:  # NaN: a broken mask (a fully masked row) or overflow at this length
         raise RuntimeError(f"S={S}: the loss is NaN")
     return {"S": S, "anchors": int(c.anchors.shape[1]), "Q": c.Q, "step_ms": dt * 1e3, "first_step_s": first,

@@ -19,12 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python bench/train_bench.py` puts bench/ on the path, not the repository
+    sys.path.insert(0, str(ROOT))
+
+from bench.timing import device_sync, timed  # noqa: E402
 from pipeline.compile_setup import inductor_workarounds
 from pipeline.config import Config, DrafterConfig, TrainConfig
 from pipeline.train_step import build_drafter, step_loss
@@ -49,11 +55,6 @@ def useful_flops(a: DrafterArch, S: int, Q: int, rows: int, vocab: int, visible_
         K, r = a.selector_top_k, a.selector_rank
         head += 3 * 2 * rows * (H * r + K * H + K * r)  # P(h), the candidates' unary logits, the edge scores
     return fc + per_layer + head
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -103,15 +104,9 @@ def main() -> None:
 
     mask_kw = dict(anchors=anchors, block_size=bs, ctx_len=S, layer_types=types, sliding_window=2048,
                    seq_lens=torch.tensor([S], device=dev))
-    if dev.type == "cuda":
-        for _ in range(3):
-            make_attend("flex", **mask_kw)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            make_attend("flex", **mask_kw)  # both layer types' BlockMasks, as every step builds them
-        torch.cuda.synchronize()
-        results["mask_build_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+    sync = device_sync(dev)
+    if dev.type == "cuda":  # both layer types' BlockMasks, as every step builds them
+        results["mask_build_ms"] = timed(lambda: make_attend("flex", **mask_kw), sync, n=20, warmup=3) / 20 * 1e3
         print(f"block masks for one step ({len(set(types))} layer types): {results['mask_build_ms']:.2f} ms")
 
     for mode in a.modes.split(","):
@@ -125,23 +120,16 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
 
         step = partial(train_step, c, mode, model)
-        t0 = time.perf_counter()
-        step()
-        sync(dev)
-        first = time.perf_counter() - t0
+        first = timed(step, sync)
         try:  # where the first step's time went (dynamo / aot / inductor phases)
             ctimes = dyn_utils.compile_times(repr="str", aggregate=True)[:3000] if mode == "flex" else ""
         except Exception as e:  # noqa: BLE001 - diagnostics only; the API moves between torch versions
             ctimes = f"compile_times unavailable: {e}"
         print(ctimes)
         step()
-        sync(dev)
+        sync()
         frames = sum(dyn_utils.counters["frames"].values())
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            step()
-        sync(dev)
-        dt = (time.perf_counter() - t0) / a.steps
+        dt = timed(step, sync, n=a.steps) / a.steps
         recompiles = sum(dyn_utils.counters["frames"].values()) - frames
         if a.profile:
             profile(step)
@@ -213,7 +201,7 @@ def attention_only(arch: DrafterArch, anchors, bs: int, S: int, types: list, vis
     out = {}
     print(f"\nattention alone: q [1, {h}, {Q}, {d}], k/v [1, {kv}, {S + Q}, {d}], fwd+bwd")
     print(f"{'layer type':<20}{'mode':<6}{'ms':>8}{'useful TFLOP/s':>16}")
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync = device_sync(dev)
     for t in sorted(set(types)):
         for mode in ("flex", "sdpa") if dev.type == "cuda" else ("sdpa",):  # flex has no CPU backward (smoke runs)
             attend = make_attend(mode, anchors=anchors, block_size=bs, ctx_len=S, layer_types=[t],
@@ -225,14 +213,7 @@ def attention_only(arch: DrafterArch, anchors, bs: int, S: int, types: list, vis
             def run():
                 attend(q, k, v, t).sum().backward()
 
-            for _ in range(3):
-                run()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                run()
-            sync()
-            ms = (time.perf_counter() - t0) / 20 * 1e3
+            ms = timed(run, sync, n=20, warmup=3) / 20 * 1e3
             useful = 3 * 2 * 2 * vis[t] * d * h  # fwd (QK^T, PV) + bwd (2x), visible pairs only
             out[f"{t}/{mode}"] = {"ms": ms, "useful_tflops": useful / ms / 1e9}
             print(f"{t:<20}{mode:<6}{ms:>8.2f}{useful / ms / 1e9:>16.0f}")

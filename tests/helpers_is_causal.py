@@ -19,25 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from helpers_batches import anchor_batch, rel_err
 from helpers_cli import TINY, dflash
 from pipeline.drafter2 import DFlash2Arch, DFlash2Drafter
-from pipeline.masks import build_blocks, make_attend, sample_anchors, stack_anchors
+from pipeline.masks import build_blocks, make_attend
 
 H, V, BS, WINDOW = 64, 256, 8, 96
-
-
-def _batch(device, S, B=2, num_anchors=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, V, (B, S), generator=g)
-    loss_mask = torch.ones(B, S, dtype=torch.long)
-    loss_mask[:, :5] = 0
-    seq_lens = torch.tensor([S, S - 9])
-    loss_mask[1, S - 9:] = 0
-    anchors = stack_anchors([sample_anchors(loss_mask[b], num_anchors, g) for b in range(B)], num_anchors,
-                            multiple=128 // BS)
-    feats = torch.randn(B, S, 2 * H, generator=g)
-    return {k: v.to(device) for k, v in dict(tokens=tokens, loss_mask=loss_mask, anchors=anchors, feats=feats,
-                                             seq_lens=seq_lens).items()}
 
 
 def _drafter(device, is_causal, seed=0):
@@ -67,16 +54,12 @@ def _forward(d, batch, embed, kind, compile):
              ctx_pos, attend)
 
 
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
 def flex_vs_sdpa(device: str, S: int, compile: bool, backward: bool, dtype=torch.float32) -> dict:
     """-> {"out": rel err flex vs sdpa, "grad": worst rel err over parameters (backward only), "rule": rel
     difference between is_causal false and the default rule (SDPA, fp32)}. The caller asserts the bounds."""
     d = _drafter(device, is_causal=False).to(dtype)
     embed = (torch.randn(V, H) * 0.5).to(device, dtype)
-    batch = _batch(device, S)
+    batch = anchor_batch(device, S, vocab=V, feat_dim=2 * H, block_size=BS, prompt=5, short_by=9, num_anchors=12)
     res = {}
     for kind in ("sdpa", "flex"):
         d.zero_grad(set_to_none=True)

@@ -38,6 +38,28 @@ def run(d, feats, embeds, anchors, q_pos=None, ctx_pos=None):
     return d(embeds, d.project_context(feats), q_pos, ctx_pos, attend)
 
 
+def geometry_case(kind, seed, S, anchors):
+    """(drafter, tokens, feats, embed, head, blocks, block embeddings): a seeded [kind, full] drafter; from a
+    generator of the same seed S random tokens, fp64 features [S, 2H], embedding and head; the training blocks of
+    `anchors` [1, A] (every position labelled) and their embeddings [1, A*BS, H]."""
+    d = tiny_drafter([kind, "full_attention"], seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(2, V, (1, S), generator=g)
+    feats = torch.randn(S, 2 * H, generator=g, dtype=torch.float64)
+    embed = torch.randn(V, H, generator=g, dtype=torch.float64)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    blk = build_blocks(tokens, torch.ones_like(tokens), anchors, BS, d.arch.mask_token_id, 4.0)
+    return d, tokens, feats, embed, head, blk, torch.nn.functional.embedding(blk.input_ids, embed)
+
+
+def assert_each_anchor_alone_equals(train_logits, d, feats, anchors, tokens, embed, head):
+    """Drafting after each anchor ALONE, from only the features strictly before it, gives its row of the batched
+    training forward's logits [A, BS-1, V]."""
+    for j, p in enumerate(anchors[0].tolist()):
+        alone = draft_blocks(d, feats[:p], torch.tensor([p]), tokens[0, p : p + 1], embed, head, return_logits=True)[1]
+        assert torch.allclose(alone[0].double(), train_logits[j], atol=1e-9), j
+
+
 def test_parameter_names_are_the_export_contract():
     d = DFlashDrafter(tiny_arch(["sliding_attention", "full_attention"]))
     assert sorted(d.state_dict()) == contract_keys(2)
@@ -101,17 +123,10 @@ def test_dense_anchors_no_cross_block_leak(kind, attention):
     other block by construction; and perturbing every other block's tokens changes nothing in a block."""
     import warnings
 
-    d = tiny_drafter([kind, "full_attention"], seed=5)
-    g = torch.Generator().manual_seed(5)
     S = 11
-    tokens = torch.randint(2, V, (1, S), generator=g)
-    feats = torch.randn(S, 2 * H, generator=g, dtype=torch.float64)
-    embed = torch.randn(V, H, generator=g, dtype=torch.float64)
-    head = torch.randn(V, H, generator=g, dtype=torch.float64)
     anchors = torch.arange(S)[None]  # [1, 11]: one anchor at every position, blocks overlap by bs-1 positions
     A = anchors.shape[1]
-    blk = build_blocks(tokens, torch.ones_like(tokens), anchors, BS, d.arch.mask_token_id, 4.0)
-    embeds = torch.nn.functional.embedding(blk.input_ids, embed)  # [1, A*BS, H]
+    d, tokens, feats, embed, head, blk, embeds = geometry_case(kind, 5, S, anchors)
     attend = make_attend(attention, anchors=anchors, block_size=BS, ctx_len=S, layer_types=d.arch.layer_types,
                          sliding_window=d.arch.sliding_window, compile=False)
     ctx = d.project_context(feats[None])
@@ -124,10 +139,7 @@ def test_dense_anchors_no_cross_block_leak(kind, attention):
             pert[j] = e[j]
             moved = d(pert.view(1, A * BS, H), ctx, blk.positions, torch.arange(S)[None], attend)
             assert torch.equal(moved.view(A, BS, H)[j], train_h.view(A, BS, H)[j]), (j, "sees another block")
-    train_logits = train_h.view(A, BS, H)[:, 1:] @ head.t()
-    for j, p in enumerate(anchors[0].tolist()):  # each anchor alone, only the context strictly before it
-        alone = draft_blocks(d, feats[:p], torch.tensor([p]), tokens[0, p : p + 1], embed, head, return_logits=True)[1]
-        assert torch.allclose(alone[0].double(), train_logits[j], atol=1e-9), j
+    assert_each_anchor_alone_equals(train_h.view(A, BS, H)[:, 1:] @ head.t(), d, feats, anchors, tokens, embed, head)
 
 
 @pytest.mark.parametrize("kind", ["full_attention", "sliding_attention"])
@@ -151,16 +163,9 @@ def test_rope_at_true_positions(kind):
 def test_training_geometry_equals_inference(kind):
     """A batched training forward (build_blocks + mask) gives, for each anchor, what drafting after that anchor
     with only the features before it gives: the geometry that serving uses."""
-    d = tiny_drafter([kind, "full_attention"], seed=3)
-    g = torch.Generator().manual_seed(3)
     S = 13
-    tokens = torch.randint(2, V, (1, S), generator=g)
-    feats = torch.randn(S, 2 * H, generator=g, dtype=torch.float64)
-    embed = torch.randn(V, H, generator=g, dtype=torch.float64)
-    head = torch.randn(V, H, generator=g, dtype=torch.float64)
     anchors = torch.tensor([[0, 5, 9, 12]])
-    blk = build_blocks(tokens, torch.ones_like(tokens), anchors, BS, d.arch.mask_token_id, 4.0)
-    embeds = torch.nn.functional.embedding(blk.input_ids, embed)
+    d, tokens, feats, embed, head, blk, embeds = geometry_case(kind, 3, S, anchors)
     attend = make_attend("sdpa", anchors=anchors, block_size=BS, ctx_len=S, layer_types=d.arch.layer_types,
                          sliding_window=d.arch.sliding_window)
     train_h = d(embeds, d.project_context(feats[None]), blk.positions, torch.arange(S)[None], attend)
@@ -168,9 +173,7 @@ def test_training_geometry_equals_inference(kind):
     draft, logits = draft_blocks(d, feats, anchors[0], tokens[0, anchors[0]], embed, head, return_logits=True)
     assert torch.allclose(logits.double(), train_logits, atol=1e-9)
     assert torch.equal(draft, logits.argmax(-1))
-    for j, p in enumerate(anchors[0].tolist()):  # each anchor alone, with only the context strictly before it
-        alone = draft_blocks(d, feats[:p], torch.tensor([p]), tokens[0, p : p + 1], embed, head, return_logits=True)[1]
-        assert torch.allclose(alone[0].double(), train_logits[j], atol=1e-9)
+    assert_each_anchor_alone_equals(train_logits, d, feats, anchors, tokens, embed, head)
 
 
 def test_gradient_checkpointing_same_result():

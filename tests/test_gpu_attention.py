@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers_batches import anchor_batch, rel_err
 from pipeline.drafter import DFlashDrafter, DrafterArch
 from pipeline.loss import chunked_weighted_ce
-from pipeline.masks import build_blocks, dense_mask, flex_block_mask, make_attend, sample_anchors, stack_anchors
+from pipeline.masks import build_blocks, dense_mask, flex_block_mask, make_attend
 
 pytestmark = pytest.mark.gpu
 
@@ -22,18 +23,9 @@ def make_arch(layer_types):
                        rope_theta=1e6)
 
 
-def make_batch(seed, S, B=2, num_anchors=24):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, V, (B, S), generator=g)
-    loss_mask = torch.ones(B, S, dtype=torch.long)
-    loss_mask[:, :20] = 0
-    seq_lens = torch.tensor([S, S - 37])
-    loss_mask[1, S - 37:] = 0
-    anchors = stack_anchors([sample_anchors(loss_mask[b], num_anchors, g) for b in range(B)], num_anchors,
-                            multiple=128 // BS)
-    feats = torch.randn(B, S, 3 * H, generator=g)
-    return {k: v.cuda() for k, v in dict(tokens=tokens, loss_mask=loss_mask, anchors=anchors, feats=feats,
-                                         seq_lens=seq_lens).items()}
+def make_batch(seed, S, num_anchors=24):
+    return anchor_batch("cuda", S, vocab=V, feat_dim=3 * H, block_size=BS, prompt=20, short_by=37,
+                        num_anchors=num_anchors, seed=seed)
 
 
 def drafter_for(layer_types, seed=0):
@@ -50,10 +42,6 @@ def forward(model, arch, batch, embed, kind, compile=None):
     emb = F.embedding(blk.input_ids, embed)
     ctx = model.project_context(batch["feats"].to(embed.dtype))
     return model(emb, ctx, blk.positions, ctx_pos, attend)
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])

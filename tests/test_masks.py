@@ -18,8 +18,12 @@ from pipeline.masks import (
 )
 
 
-def brute_force_mask(anchors, block_size, ctx_len, seq_lens, window):
-    """Plain loops over (b, q, kv), written from the brief's words, independent of the predicate code."""
+def brute_force_mask(anchors, block_size, ctx_len, seq_lens, window, causal=None):
+    """Plain loops over (b, q, kv), written from the brief's words, independent of the predicate code: a query of
+    block j, slot k (position anchor_j + k) sees context kv < anchor_j and kv < seq_len (with a window: only the
+    last `window` positions before its own position); block tokens of its own block only, and there only slots
+    <= k when causal inside the block (causal None: exactly when windowed, the rule without is_causal)."""
+    causal = window is not None if causal is None else causal
     B, A = anchors.shape
     Q = A * block_size
     out = torch.zeros(B, 1, Q, ctx_len + Q, dtype=torch.bool)
@@ -34,7 +38,7 @@ def brute_force_mask(anchors, block_size, ctx_len, seq_lens, window):
                         ok = ok and (anchor + k) - kv < window  # query position minus key position
                 else:  # block token
                     jj, kk = divmod(kv - ctx_len, block_size)
-                    ok = jj == j and (window is None or kk <= k)
+                    ok = jj == j and (not causal or kk <= k)
                 out[b, 0, q, kv] = ok
     return out
 
@@ -161,6 +165,52 @@ def _tiles(num, idx, cols):
     return out
 
 
+def _ragged_batch(g, trial, max_len, packed=False):
+    """(S, lens, anchors, doc_ids) of a random ragged batch of two rows drawn from `g`: S in [20, max_len), tile
+    aligned on odd trials; row 1 of a random length; about 80% of each row labelled, anchors sampled among those
+    positions; packed: each row cut into up to 6 documents (doc_ids) with anchors drawn per document, else no
+    doc_ids."""
+    from pipeline.masks import padded_len
+
+    S = int(torch.randint(20, max_len, (1,), generator=g))
+    S = padded_len(S) if trial % 2 else S  # block keys aligned to tiles (as training pads) or not
+    lens = torch.tensor([S, int(torch.randint(3, S + 1, (1,), generator=g))])
+    per_row, docs = [], torch.full((2, S), -1, dtype=torch.long)
+    for r, n in enumerate(lens.tolist()):
+        m = torch.zeros(S, dtype=torch.bool)
+        m[:n] = torch.rand(n, generator=g) > 0.2
+        if not packed:
+            per_row.append(sample_anchors(m, int(torch.randint(1, 40, (1,), generator=g)), g))
+            continue
+        cuts = sorted(set(torch.randint(1, max(2, n), (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()) - {n})
+        row = []
+        for d, (s0, s1) in enumerate(zip([0, *cuts], [*cuts, n])):  # documents [s0, s1), anchors in each
+            docs[r, s0:s1] = d
+            row.append(s0 + sample_anchors(m[s0:s1], int(torch.randint(1, 12, (1,), generator=g)), g))
+        per_row.append(torch.cat(row))
+    return S, lens, stack_anchors(per_row), docs if packed else None
+
+
+def _assert_tables_equal_create_block_mask(anchors, block_size, S, lens, window, causal=None, doc_ids=None, where=()):
+    """flex_block_mask's tables equal create_block_mask evaluating dflash_mask_mod on every pair: partial and full
+    tiles, kv and q (backward) sides. Returns flex_block_mask's BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from pipeline.masks import _pad_anchors, dflash_mask_mod, padded_len
+
+    got = flex_block_mask(anchors, block_size, S, lens, window, causal=causal, doc_ids=doc_ids)
+    q_len, kv_len = padded_len(anchors.shape[1] * block_size), padded_len(S + anchors.shape[1] * block_size)
+    mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, S, block_size, window, causal, doc_ids=doc_ids)
+    ref = create_block_mask(mod, 2, None, q_len, kv_len, device="cpu")
+    for num, idx in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]:
+        assert torch.equal(getattr(got, num), getattr(ref, num)), (*where, num)
+        cols = getattr(ref, idx).shape[-1]
+        assert torch.equal(_tiles(getattr(got, num), getattr(got, idx), cols),
+                           _tiles(getattr(ref, num), getattr(ref, idx), cols)), (*where, idx)
+    return got
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("block_size", [16, 8, 5, 12, 128])
 def test_block_tables_equal_create_block_mask(block_size, packed):
@@ -168,41 +218,12 @@ def test_block_tables_equal_create_block_mask(block_size, packed):
     predicate on every pair: partial and full tiles, kv and q (backward) sides, on random ragged batches with
     padded anchors, short sequences, both window kinds and lengths that are not multiples of 128; packed rows
     (several documents per row, doc_ids) with anchors drawn per document, documents shorter than a block."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from pipeline.masks import _pad_anchors, dflash_mask_mod, padded_len
-
     g = torch.Generator().manual_seed(block_size)
     for trial in range(6):
-        S = int(torch.randint(20, 700, (1,), generator=g))
-        S = padded_len(S) if trial % 2 else S  # block keys aligned to tiles (as training pads) or not
-        lens = torch.tensor([S, int(torch.randint(3, S + 1, (1,), generator=g))])
-        per_row, docs = [], torch.full((2, S), -1, dtype=torch.long)
-        for r, n in enumerate(lens.tolist()):
-            m = torch.zeros(S, dtype=torch.bool)
-            m[:n] = torch.rand(n, generator=g) > 0.2
-            if not packed:
-                per_row.append(sample_anchors(m, int(torch.randint(1, 40, (1,), generator=g)), g))
-                continue
-            cuts = sorted(set(torch.randint(1, max(2, n), (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()) - {n})
-            row = []
-            for d, (s0, s1) in enumerate(zip([0, *cuts], [*cuts, n])):  # documents [s0, s1), anchors in each
-                docs[r, s0:s1] = d
-                row.append(s0 + sample_anchors(m[s0:s1], int(torch.randint(1, 12, (1,), generator=g)), g))
-            per_row.append(torch.cat(row))
-        anchors = stack_anchors(per_row)
-        doc_ids = docs if packed else None
+        S, lens, anchors, doc_ids = _ragged_batch(g, trial, 700, packed)
         for window in (None, int(torch.randint(3, 300, (1,), generator=g))):
-            got = flex_block_mask(anchors, block_size, S, lens, window, doc_ids=doc_ids)
-            q_len, kv_len = padded_len(anchors.shape[1] * block_size), padded_len(S + anchors.shape[1] * block_size)
-            mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, S, block_size, window, doc_ids=doc_ids)
-            ref = create_block_mask(mod, 2, None, q_len, kv_len, device="cpu")
-            for num, idx in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
-                             ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]:
-                assert torch.equal(getattr(got, num), getattr(ref, num)), (trial, window, num)
-                cols = getattr(ref, idx).shape[-1]
-                assert torch.equal(_tiles(getattr(got, num), getattr(got, idx), cols),
-                                   _tiles(getattr(ref, num), getattr(ref, idx), cols)), (trial, window, idx)
+            got = _assert_tables_equal_create_block_mask(anchors, block_size, S, lens, window, doc_ids=doc_ids,
+                                                         where=(trial, window))
             assert got.kv_num_blocks.sum() + got.full_kv_num_blocks.sum() > 0
 
 
@@ -212,28 +233,12 @@ def test_block_tables_equal_create_block_mask(block_size, packed):
 
 
 def rule_mask(anchors, block_size, ctx_len, seq_lens, layer_type, window, is_causal):
-    """The rules read directly, pair by pair: a query of block j, slot k (position anchor_j + k) sees
-    context kv < anchor_j and kv < seq_len (sliding layers: only the last `window` positions before its own
-    position); block tokens of its own block only, and there only slots <= k when the layer is causal inside
-    the block: is_causal absent (None) -> sliding layers causal, full layers not; true / false -> every layer."""
+    """The rules read directly, pair by pair (brute_force_mask): only sliding layers are windowed; a layer is
+    causal inside the block when is_causal is absent (None) -> sliding layers, full layers not; true / false ->
+    every layer."""
     causal = (layer_type == "sliding_attention") if is_causal is None else is_causal
     win = window if layer_type == "sliding_attention" else None
-    B, A = anchors.shape
-    Q = A * block_size
-    out = torch.zeros(B, 1, Q, ctx_len + Q, dtype=torch.bool)
-    for b in range(B):
-        for q in range(Q):
-            j, k = divmod(q, block_size)
-            anchor = int(anchors[b, j])
-            for kv in range(ctx_len + Q):
-                if kv < ctx_len:
-                    ok = anchor >= 0 and kv < anchor and kv < int(seq_lens[b])
-                    ok = ok and (win is None or (anchor + k) - kv < win)
-                else:
-                    jj, kk = divmod(kv - ctx_len, block_size)
-                    ok = jj == j and (not causal or kk <= k)
-                out[b, 0, q, kv] = ok
-    return out
+    return brute_force_mask(anchors, block_size, ctx_len, seq_lens, win, causal)
 
 
 @pytest.mark.parametrize("is_causal", [None, False, True])
@@ -282,32 +287,11 @@ def test_make_attend_honours_is_causal(is_causal):
 def test_block_tables_equal_create_block_mask_for_is_causal(block_size):
     """block_tables with causal given explicitly (is_causal false: sliding layers bidirectional in the block;
     true: full layers causal) equal create_block_mask evaluating the same predicate on every pair."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from pipeline.masks import _pad_anchors, dflash_mask_mod, padded_len
-
     g = torch.Generator().manual_seed(100 + block_size)
     for trial in range(4):
-        S = int(torch.randint(20, 500, (1,), generator=g))
-        S = padded_len(S) if trial % 2 else S
-        lens = torch.tensor([S, int(torch.randint(3, S + 1, (1,), generator=g))])
-        per_row = []
-        for n in lens.tolist():
-            m = torch.zeros(S, dtype=torch.bool)
-            m[:n] = torch.rand(n, generator=g) > 0.2
-            per_row.append(sample_anchors(m, int(torch.randint(1, 40, (1,), generator=g)), g))
-        anchors = stack_anchors(per_row)
+        S, lens, anchors, _ = _ragged_batch(g, trial, 500)
         for window, causal in ((int(torch.randint(3, 300, (1,), generator=g)), False), (None, True)):
-            got = flex_block_mask(anchors, block_size, S, lens, window, causal=causal)
-            q_len, kv_len = padded_len(anchors.shape[1] * block_size), padded_len(S + anchors.shape[1] * block_size)
-            mod = dflash_mask_mod(_pad_anchors(anchors, block_size, q_len), lens, S, block_size, window, causal)
-            ref = create_block_mask(mod, 2, None, q_len, kv_len, device="cpu")
-            for num, idx in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
-                             ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]:
-                assert torch.equal(getattr(got, num), getattr(ref, num)), (trial, window, num)
-                cols = getattr(ref, idx).shape[-1]
-                assert torch.equal(_tiles(getattr(got, num), getattr(got, idx), cols),
-                                   _tiles(getattr(ref, num), getattr(ref, idx), cols)), (trial, window, idx)
+            _assert_tables_equal_create_block_mask(anchors, block_size, S, lens, window, causal, where=(trial, window))
 
 
 def test_the_compiled_table_builder_sees_one_spelling_of_each_rule(monkeypatch):
