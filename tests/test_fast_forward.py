@@ -163,25 +163,229 @@ def test_a_wrong_layout_would_be_caught(model):
     assert _scaled_max_error(got[att.bool()], ref[att.bool()]) > 1e-2
 
 
-def test_calls_with_a_cache_take_the_reference_forward(model):
-    """Generation and speculative decoding pass a cache: the layers and GDN modules run transformers' own code
-    (the fused conv and delta rule are never called), and the logits are the reference's."""
-    ids = torch.randint(4, 500, (1, 12), generator=torch.Generator().manual_seed(3))
+# ---- calls with a cache: generation and speculative decoding (CPU, torch stand-ins) ----------------------------
+
+LM_VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """A tiny random Qwen3_5 text model built in code: 3 Gated DeltaNet layers then 1 gated attention layer,
+    fp32, weights large enough that greedy outputs vary, non-zero zero-centred norm weights."""
+    sys.path.insert(0, str(ROOT))
+    from bench.extract_bench import build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model("qwen3_5", "tiny", device="cpu", dtype=torch.float32, vocab_size=LM_VOCAB,
+                           hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, initializer_range=0.2)
+    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    _nonzero_norms(model)
+    return model
+
+
+def _nonzero_norms(model) -> None:
     with torch.no_grad():
-        want = model(input_ids=ids, use_cache=True).logits
+        for name, p in model.named_parameters():
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
+                p.copy_(0.1 * torch.randn_like(p))
 
-    def boom(*a, **kw):
-        raise AssertionError("fused kernel called with a cache")
 
-    ops = ff.torch_ops()
-    ops.causal_conv1d = ops.chunk_gated_delta_rule = ops.swiglu = boom
-    ff.install(model, ops)
+def _counting_ops(ops=None):
+    """ops whose kernels record each call: (kernel, tokens T of its input, initial state given, final state asked)."""
+    ops = ops or ff.torch_ops()
+    calls = []
+
+    def wrap(name, fn):
+        def counted(*a, **kw):
+            calls.append((name, a[0].shape[1] if a[0].dim() >= 3 else None, kw.get("initial_state") is not None,
+                          bool(kw.get("output_final_state"))))
+            return fn(*a, **kw)
+        return counted
+
+    for name in ("causal_conv1d", "chunk_gated_delta_rule", "swiglu", "rms_norm"):
+        setattr(ops, name, wrap(name, getattr(ops, name)))
+    return ops, calls
+
+
+def _left_padded(seed=0, B=2, S=19, pad=(0, 6), vocab=LM_VOCAB):
+    """A batch as the embedded engine makes one: prompts left-padded to one width."""
+    ids = torch.randint(3, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+    att = torch.ones_like(ids)
+    for r, p in enumerate(pad):
+        att[r, :p] = 0
+    return ids, att
+
+
+def _cache_kw(model) -> str:
+    from pipeline.target_cache import _cache_kwarg
+
+    return _cache_kwarg(model.forward)
+
+
+def _states(cache) -> dict:
+    """Every tensor a hybrid cache holds: conv and recurrent states of the linear layers, keys and values of the
+    attention layers."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(getattr(layer, "conv_states", None), dict):
+            out[f"{i}.conv"], out[f"{i}.recurrent"] = layer.conv_states[0], layer.recurrent_states[0]
+        else:
+            out[f"{i}.keys"], out[f"{i}.values"] = layer.keys, layer.values
+    return out
+
+
+@torch.no_grad()
+def _cached_run(model, ids, att, steps):
+    """Prefill with a fresh cache, then one forward per entry of `steps` (new tokens [B, t]: a decode token or a
+    block), the mask growing; returns (the cache's tensors after the prefill, the logits of every forward, the
+    cache's tensors at the end)."""
+    from transformers import DynamicCache
+
+    cache, kw = DynamicCache(config=model.config), _cache_kw(model)
+    logits = [model(input_ids=ids, attention_mask=att, use_cache=True, **{kw: cache}).logits]
+    after_prefill = {k: v.clone() for k, v in _states(cache).items()}
+    for new in steps:
+        att = torch.cat([att, torch.ones_like(new)], dim=1)
+        logits.append(model(input_ids=new, attention_mask=att, use_cache=True, **{kw: cache}).logits)
+    return after_prefill, logits, _states(cache)
+
+
+@pytest.mark.parametrize("gate_in_kernel", [True, False])
+def test_cache_after_the_prefill_and_the_next_steps_equal_the_reference(lm, gate_in_kernel):
+    """A left-padded prefill with a cache, five decode steps, a 4-token block after the state (a verify forward)
+    and two more steps: the cache (conv, recurrent, keys, values) after the prefill and at the end, and every
+    forward's logits, are the reference's. The prefill and the block run the fused conv and delta rule (the block
+    reading the cached states); a one-token step keeps transformers' per-step GDN update; every forward runs the
+    fused norms and SwiGLU."""
+    ids, att = _left_padded()
+    g = torch.Generator().manual_seed(1)
+    steps = [torch.randint(3, LM_VOCAB, (2, t), generator=g) for t in (1, 1, 1, 1, 1, 4, 1, 1)]
+    ref_prefill, ref_logits, ref_end = _cached_run(lm, ids, att, steps)
+    ops, calls = _counting_ops()
+    ff.install(lm, ops, gate_in_kernel=gate_in_kernel)
     try:
-        with torch.no_grad():
-            got = model(input_ids=ids, use_cache=True).logits
+        got_prefill, got_logits, got_end = _cached_run(lm, ids, att, steps)
     finally:
-        ff.remove(model)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ff.remove(lm)
+    assert set(got_prefill) == set(ref_prefill) == {"0.conv", "0.recurrent", "1.conv", "1.recurrent", "2.conv",
+                                                    "2.recurrent", "3.keys", "3.values"}
+    for states_got, states_ref in ((got_prefill, ref_prefill), (got_end, ref_end)):
+        for name, ref in states_ref.items():
+            got = states_got[name]
+            assert got.shape == ref.shape and got.dtype == ref.dtype, name
+            assert _scaled_max_error(got, ref) < 2e-5, name  # fp32: the chunked reference vs the token recurrence
+    valid = att.bool()
+    assert _scaled_max_error(got_logits[0][valid], ref_logits[0][valid]) < 2e-5
+    for j, (got, ref) in enumerate(zip(got_logits[1:], ref_logits[1:])):
+        assert _scaled_max_error(got, ref) < 2e-5, j
+    conv = [(t, init) for name, t, init, _ in calls if name == "causal_conv1d"]
+    rule = [(t, init, final) for name, t, init, final in calls if name == "chunk_gated_delta_rule"]
+    assert conv == [(19, False)] * 3 + [(4 + 4, False)] * 3  # the block: its 4 tokens after the 4 cached inputs
+    assert rule == [(19, False, True)] * 3 + [(4, True, True)] * 3
+    assert sum(name == "swiglu" for name, *_ in calls) == 4 * (1 + len(steps))
+
+
+def test_the_embedded_engine_generates_the_same_with_the_fast_forward(lm):
+    """regenerate's engine (generate_ids: left-padded batch, transformers' generate with its cache): the same
+    token ids with the fast forward installed as without, and the logits of every step close."""
+    from stages.regen_worker import generate_ids, neutral_generation_config
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, LM_VOCAB, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    ids, att = torch.zeros(4, 30, dtype=torch.long), torch.zeros(4, 30, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, 30 - len(p):], att[r, 30 - len(p):] = torch.tensor(p), 1
+    cfg = neutral_generation_config({LM_VOCAB - 1}, 0)
+    cfg.max_new_tokens, cfg.output_logits, cfg.return_dict_in_generate = 12, True, True
+
+    def run():
+        with torch.inference_mode():
+            out = lm.generate(input_ids=ids, attention_mask=att, generation_config=cfg)
+        return generate_ids(lm, prompts, 12, {LM_VOCAB - 1}, 0), out.sequences, torch.stack(out.logits, 1)
+
+    ref_rows, ref_seq, ref_logits = run()
+    ops, calls = _counting_ops()
+    ff.install(lm, ops)
+    try:
+        got_rows, got_seq, got_logits = run()
+    finally:
+        ff.remove(lm)
+    assert got_rows == ref_rows and torch.equal(got_seq, ref_seq)
+    assert len({tuple(t) for t, _ in ref_rows}) == 4  # the rows generate different tokens
+    assert _scaled_max_error(got_logits, ref_logits) < 2e-5
+    assert ("chunk_gated_delta_rule", 30, False, True) in calls  # the prefill with the cache ran on the fast GDN
+    assert sum(name == "swiglu" for name, *_ in calls) >= 4 * 12  # and every decode step on the fast MLP
+
+
+def _oracle(truth: list[int], P: int, bs: int):
+    """A draft_fn proposing the true greedy continuation with one token wrong at a varying place, or none, so
+    verify steps accept 0..bs-1 drafts and the cache rolls back by varying amounts."""
+    state = {"step": 0}
+
+    def draft(context, pos, last_id):
+        j = pos - P  # index of the last verified token in the output
+        want = (truth[j + 1: j + bs] + [3] * bs)[: bs - 1]
+        k = (None, 0, 2, 1, 3)[state["step"] % 5]
+        state["step"] += 1
+        if k is not None:
+            want[k] = (want[k] + 1) % LM_VOCAB
+        return want
+
+    draft.reset = lambda: state.update(step=0)
+    return draft
+
+
+def test_speculative_decoding_rolls_back_the_same_with_the_fast_forward(lm):
+    """Online eval's decoders on the fast forward: the greedy baseline and speculative decoding (verify blocks,
+    RollbackCache restoring the linear states and replaying the accepted tokens through the fast GDN) give the
+    reference's tokens and the same accepted lengths per verify step."""
+    from stages.speculate import TargetRunner, greedy_decode, speculative_decode
+
+    prompt = torch.randint(3, LM_VOCAB, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    runner = TargetRunner(lm, "kv")
+    assert runner.policy == "kv" and runner.kind == "hybrid"
+    bs, n = 5, 30
+    spec_kw = dict(layer_ids=[0, 2], block_size=bs, max_new_tokens=n, stop_ids=set(), feature_encoding=None)
+
+    def run():
+        greedy = greedy_decode(runner, prompt, n, set())
+        spec = speculative_decode(runner, _oracle(truth, len(prompt), bs), prompt, **spec_kw)
+        return greedy, spec
+
+    truth = greedy_decode(runner, prompt, n, set()).tokens
+    ref_greedy, ref_spec = run()
+    ops, calls = _counting_ops()
+    ff.install(lm, ops)
+    try:
+        got_greedy, got_spec = run()
+        replays = runner._cache.replays
+    finally:
+        runner.reset()
+        ff.remove(lm)
+    assert ref_spec.tokens == ref_greedy.tokens == truth and len(set(truth)) > 5
+    assert got_greedy.tokens == truth and got_spec.tokens == truth
+    assert got_spec.steps == ref_spec.steps and set(ref_spec.steps) == set(range(1, bs + 1))  # 0..4 drafts kept
+    assert replays > 0
+    assert any(name == "chunk_gated_delta_rule" and init for name, _, init, _ in calls)  # blocks after a state
+
+
+def test_which_cached_calls_the_fast_gdn_serves(lm):
+    """A fresh cache: prefill; a cache with state: more than one token is a block, one token a decode step
+    (transformers' per-step kernels); a cache recording its past for `crop` and a cache without transformers 5's
+    linear-attention methods keep the reference."""
+    from transformers import DynamicCache
+
+    gdn = lm.model.layers[0].linear_attn
+    cache = DynamicCache(config=lm.config)
+    assert ff._cached_mode(gdn, cache, 7) == "prefill" and ff._cached_mode(gdn, cache, 1) == "prefill"
+    with torch.no_grad():
+        lm(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{_cache_kw(lm): cache})
+    assert ff._cached_mode(gdn, cache, 4) == "extend" and ff._cached_mode(gdn, cache, 1) is None
+    cache.layers[0].activate_past_recording()
+    assert ff._cached_mode(gdn, cache, 4) is None
+    assert ff._cached_mode(gdn, SimpleNamespace(layers=[]), 4) is None
 
 
 # ---- the same numbers on the GPU (flash-linear-attention) -----------------------------------------------------
