@@ -87,13 +87,44 @@ def test_enable_on_the_cpu_leaves_the_model_as_it_is(model):
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
-def test_extract_config_has_the_switch(tmp_path):
+@pytest.mark.parametrize("section", ["extract", "regenerate", "eval"])
+def test_each_stage_that_runs_the_target_has_the_switch(model, section):
     from pipeline.config import ConfigError, load_config
 
-    assert load_config(None, []).extract.fast_forward is True
-    assert load_config(None, ["extract.fast_forward=false"]).extract.fast_forward is False
+    assert getattr(load_config(None, []), section).fast_forward is True
+    assert getattr(load_config(None, [f"{section}.fast_forward=false"]), section).fast_forward is False
     with pytest.raises(ConfigError, match="fast_forward"):
-        load_config(None, ["extract.fast_forward=sometimes"])
+        load_config(None, [f"{section}.fast_forward=sometimes"])
+    assert ff.choose(model, torch.device("cuda"), False, have_fla=True, key=f"{section}.fast_forward") == (
+        False, f"target forward: transformers' reference ({section}.fast_forward: false)")
+
+
+def test_regenerate_and_online_eval_load_their_target_through_the_switch(hybrid, monkeypatch, capsys):
+    """The embedded engine's and the online eval's loaders log the same line as extraction (here the CPU
+    reason, or the switch when it is off) and install the fast forward when choose() says it runs."""
+    from pipeline.config import load_config
+    from stages.eval_online import load_online_target
+    from stages.regen_worker import load_engine_target
+
+    cpu_line = "target forward: transformers' reference (CPU; the fast forward's fused kernels are CUDA/Triton)"
+    cfg = load_config(None, [f"target.path={hybrid}"])
+    model, device = load_engine_target(cfg)
+    assert device == CPU and ff.installed(model) == 0 and cpu_line in capsys.readouterr().err
+    model = load_online_target(cfg, CPU, torch.float32)
+    assert ff.installed(model) == 0 and f"eval: {cpu_line}" in capsys.readouterr().err
+    off = load_config(None, [f"target.path={hybrid}", "regenerate.fast_forward=false", "eval.fast_forward=false"])
+    load_engine_target(off)
+    load_online_target(off, CPU, torch.float32)
+    err = capsys.readouterr().err
+    assert "(regenerate.fast_forward: false)" in err and "eval: target forward: transformers' reference " \
+                                                           "(eval.fast_forward: false)" in err
+    # where choose() says fast (CUDA with fla), both install it: here with the torch stand-ins as the kernels
+    monkeypatch.setattr(ff, "choose", lambda m, d, enabled, key="": (enabled, f"fast or not: {key}"))
+    monkeypatch.setattr(ff, "fla_ops", ff.torch_ops)
+    model, _ = load_engine_target(cfg)
+    assert ff.installed(model) > 0 and "fast or not: regenerate.fast_forward" in capsys.readouterr().err
+    model = load_online_target(cfg, CPU, torch.float32)
+    assert ff.installed(model) > 0 and "eval: fast or not: eval.fast_forward" in capsys.readouterr().err
 
 
 @pytest.mark.slow
