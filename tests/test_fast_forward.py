@@ -213,6 +213,7 @@ def lm():
                            linear_key_head_dim=16, linear_value_head_dim=16, initializer_range=0.2)
     assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     _nonzero_norms(model)
+    _long_memory(model)
     return model
 
 
@@ -221,6 +222,18 @@ def _nonzero_norms(model) -> None:
         for name, p in model.named_parameters():
             if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
                 p.copy_(0.1 * torch.randn_like(p))
+
+
+def _long_memory(model) -> None:
+    """GDN decays of a trained model's order (per token exp(-A softplus(a + dt_bias)), A in [0.001, 0.02]: a state
+    remembers tens to hundreds of tokens) instead of the random init's A up to 16, which forgets within a token or
+    two, so that a cached state handled wrongly shows in the logits."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod).__name__ == "Qwen3_5GatedDeltaNet":
+                a = torch.empty(mod.A_log.shape).uniform_(0.001, 0.02, generator=g)
+                mod.A_log.copy_(a.log().to(mod.A_log.dtype))
 
 
 def _counting_ops(ops=None):
@@ -490,3 +503,162 @@ def test_fast_forward_equals_transformers_on_the_gpu_in_bf16():
             assert fast["mean"] <= 1.5 * floor["mean"] + 2e-3, (variant, j, row)  # no worse than bf16's own error
             assert fast["max"] <= 2 * floor["max"] + 1e-2, (variant, j, row)
             assert row["fast_vs_bf16_reference"]["mean"] <= 2 * floor["mean"] + 2e-3, (variant, j, row)
+
+
+@torch.no_grad()
+def _greedy_cached(model, ids, att, n, forced=None):
+    """Greedy decoding with a cache as generate does it (the prefill, then one token per forward): (tokens [B, n],
+    each step's logits [B, n, V] fp32, the cache's tensors after the prefill in fp32); with `forced` [B, n] those
+    tokens are fed instead of the argmax (teacher forcing)."""
+    from transformers import DynamicCache
+
+    cache, kw = DynamicCache(config=model.config), _cache_kw(model)
+    out = model(input_ids=ids, attention_mask=att, use_cache=True, **{kw: cache})
+    states = {k: v.float().clone() for k, v in _states(cache).items()}
+    toks, logits = [], []
+    for t in range(n):
+        logits.append(out.logits[:, -1].float())
+        toks.append(logits[-1].argmax(-1) if forced is None else forced[:, t])
+        if t + 1 < n:
+            att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+            out = model(input_ids=toks[-1][:, None], attention_mask=att, use_cache=True, **{kw: cache})
+    return (torch.stack(toks, 1), torch.stack(logits, 1), states) if n else (None, None, states)
+
+
+@torch.no_grad()
+def _rollback_run(model, prompt: list[int], plan: list):
+    """Speculative decoding's cache traffic on one sequence (pipeline/target_cache.py RollbackCache): the prompt,
+    then per (block, keep) a verify forward of the block and, unless keep is None, a rollback to `keep` tokens.
+    Returns (each forward's logits [T, V] fp32, the tokens each forward's sequence held, the tokens kept at the end,
+    the cache's tensors at the end in fp32); the yardstick reruns the sequences without a cache, and prefills the
+    kept tokens for the states (the cache after rollbacks must equal a prefill of exactly the kept tokens)."""
+    from pipeline.target_cache import RollbackCache
+
+    dev = next(model.parameters()).device
+    rc = RollbackCache(model)
+    try:
+        seq, seen = list(prompt), [list(prompt)]
+        logits = [rc.forward(torch.tensor([prompt], device=dev)).logits[0].float()]
+        for block, keep in plan:
+            seen.append(seq + block)
+            logits.append(rc.forward(torch.tensor([block], device=dev)).logits[0].float())
+            seq = seq + block
+            if keep is not None:
+                rc.rollback(keep)
+                seq = seq[:keep]
+        states = {k: v.float().clone() for k, v in _states(rc.cache).items()}
+    finally:
+        rc.close()
+    return logits, seen, seq, states
+
+
+def _cached_against_reference(model, ops, vocab: int, S: int, n: int, pad: int, P: int) -> dict:
+    """The GPU test's check, for any device and kernels: a bf16 `model`'s cached forwards with the fast forward
+    on `ops` against transformers' cached forward, both measured against an fp32 forward of the same weights
+    (the torch stand-ins, which the CPU tests hold equal to the reference; cache-less for the logits), so that
+    bf16's own error is the yardstick, with the constants of the uncached test above. Checked: the linear-
+    attention states after a left-padded prefill (2 rows of S tokens, `pad` of them padding), the logits of n
+    decode steps teacher-forced on the reference's greedy tokens, the logits of a speculative sequence's verify
+    blocks (a P-token prompt, rollbacks keeping 5, 3 and 1 of 8 tokens in between); free-running greedy tokens
+    equal the reference's or first differ where the reference's own top-two margin is within its bf16 error. The
+    linear-attention states are checked after the prefill and at the end of the speculative sequence (against a
+    prefill of its kept tokens). Returns the figures."""
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(6)
+    B = 2
+    ids = torch.randint(4, vocab, (B, S), generator=g).to(dev)
+    att = torch.ones_like(ids)
+    att[1, :pad] = 0  # left padding, as the embedded engine batches prompts
+    prompt = torch.randint(4, vocab, (P,), generator=g).tolist()
+    blocks = [torch.randint(4, vocab, (t,), generator=g).tolist() for t in (8, 8, 1, 8, 8)]
+    plan = list(zip(blocks, [P + 5, P + 8, None, P + 10, None]))  # 5 of 8 kept, 3 of 8, a step, 1 of 8, a block
+
+    ref_tok, ref_logits, ref_states = _greedy_cached(model, ids, att, n)
+    ref_spec, seen, kept, ref_spec_states = _rollback_run(model, prompt, plan)
+    ops, calls = _counting_ops(ops)
+    ff.install(model, ops)
+    try:
+        fast_tok, _, fast_states = _greedy_cached(model, ids, att, n)
+        _, fast_logits, _ = _greedy_cached(model, ids, att, n, forced=ref_tok)
+        fast_spec, _, _, fast_spec_states = _rollback_run(model, prompt, plan)
+    finally:
+        ff.remove(model)
+    assert any(c[0] == "chunk_gated_delta_rule" and c[3] and not c[2] for c in calls)  # the prefill, fast
+    assert any(c[0] == "chunk_gated_delta_rule" and c[2] for c in calls)  # blocks after a state, fast
+    model.float()
+    ff.install(model, ff.torch_ops())
+    try:
+        full = torch.cat([ids, ref_tok[:, :-1]], dim=1)
+        mask = torch.cat([att, torch.ones_like(ref_tok[:, :-1])], dim=1)
+        with torch.no_grad():
+            truth = model(input_ids=full, attention_mask=mask, use_cache=False).logits[:, S - 1:].float()  # [B, n, V]
+            truth_spec = [model(input_ids=torch.tensor([s], device=dev), use_cache=False).logits[0, -len(f):].float()
+                          for s, f in zip(seen, ref_spec)]
+        _, _, truth_states = _greedy_cached(model, ids, att, 0)  # the fast prefill on the stand-ins (CPU-tested)
+        kept = torch.tensor([kept], device=dev)
+        _, _, truth_spec_states = _greedy_cached(model, kept, torch.ones_like(kept), 0)
+    finally:
+        ff.remove(model)
+        model.to(torch.bfloat16)
+
+    report = {"error": "||a - b|| / ||b|| per token over the vocabulary (per row over a state): max, mean"}
+    checks = {"decode_logits": (fast_logits, ref_logits, truth),
+              "verify_logits": (torch.cat(fast_spec), torch.cat(ref_spec), torch.cat(truth_spec))}
+    for name, (fast, ref, tru) in checks.items():
+        row = report[name] = {"fast_vs_fp32": _rel_errors(fast, tru), "reference_vs_fp32": _rel_errors(ref, tru),
+                              "fast_vs_bf16_reference": _rel_errors(fast, ref)}
+        floor = row["reference_vs_fp32"]
+        assert floor["mean"] < 0.1, (name, row)  # bf16 rounding (a few %), not a wrong forward (~1)
+        assert row["fast_vs_fp32"]["mean"] <= 1.5 * floor["mean"] + 2e-3, (name, row)
+        assert row["fast_vs_fp32"]["max"] <= 2 * floor["max"] + 1e-2, (name, row)
+        assert row["fast_vs_bf16_reference"]["mean"] <= 2 * floor["mean"] + 2e-3, (name, row)
+    linear = [k for k in truth_states if k.endswith((".conv", ".recurrent"))]
+    assert len(linear) == 2 * model.config.layer_types.count("linear_attention")
+    for where, got, want, tru in (("prefill", fast_states, ref_states, truth_states),
+                                  ("speculative", fast_spec_states, ref_spec_states, truth_spec_states)):
+        for k in linear:
+            rows = tru[k].shape[0]
+            fast, ref = (_rel_errors(st[k].reshape(rows, -1), tru[k].reshape(rows, -1)) for st in (got, want))
+            report[f"{where} state {k}"] = {"fast_vs_fp32": fast, "reference_vs_fp32": ref}
+            assert fast["max"] <= 2 * ref["max"] + 1e-2, (where, k, fast, ref)
+    for r in range(B):
+        diff = (fast_tok[r] != ref_tok[r]).nonzero()
+        if len(diff):
+            i = int(diff[0])
+            a, b = int(ref_tok[r, i]), int(fast_tok[r, i])
+            margin = float(ref_logits[r, i, a] - ref_logits[r, i, b])
+            noise = float((ref_logits[r, i] - truth[r, i]).abs().max())
+            report[f"row {r} first difference"] = {"step": i, "reference_margin": margin, "reference_error": noise}
+            assert margin <= 2 * noise, (r, i, margin, noise)
+    return report
+
+
+def test_cached_check_of_the_gpu_test_runs_on_the_cpu_in_bf16():
+    """The GPU test's check end to end on the CPU (bf16, the torch stand-ins as the kernels, a tiny model)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.extract_bench import build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model("qwen3_5", "tiny", device="cpu", dtype=torch.bfloat16, vocab_size=LM_VOCAB,
+                           hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, initializer_range=0.2)
+    _nonzero_norms(model)
+    _long_memory(model)
+    report = _cached_against_reference(model, ff.torch_ops(), LM_VOCAB, S=40, n=12, pad=9, P=30)
+    assert report["decode_logits"]["reference_vs_fp32"]["mean"] > 0  # bf16 really rounds: the yardstick is not 0
+
+
+@pytest.mark.gpu
+def test_cached_fast_forward_equals_transformers_on_the_gpu_in_bf16():
+    """Generation and speculative decoding with a cache on the fla kernels (bf16) against transformers' cached
+    forward of the same model (`_cached_against_reference`: the states after a left-padded 2 x 300-token
+    prefill, 24 decode steps, verify blocks around rollbacks after a 200-token prompt). Prints the figures."""
+    pytest.importorskip("fla.ops.gated_delta_rule", reason="flash-linear-attention (fla-core) not installed")
+    dev = torch.device("cuda")
+    model = _small_width_hybrid(dev)
+    _long_memory(model)
+    assert ff.choose(model, dev, True, key="eval.fast_forward")[0]
+    report = _cached_against_reference(model, ff.fla_ops(), 4096, S=300, n=24, pad=87, P=200)
+    report["shape"] = "hidden 1024, 8 layers, GDN 16/48 x 128, attention 24/4 x 256, bf16"
+    print(json.dumps(report, indent=1))
