@@ -12,18 +12,37 @@ loaded Qwen3_5 text model to flash-linear-attention's (fla 0.6) Triton kernels:
   -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) computed inside `chunk_gated_delta_rule`
   (`gate_in_kernel`); the gated RMSNorm as fla `rms_norm_gated`;
 - every other Qwen3_5RMSNorm (q/k norms of the attention layers, the final norm): fla `rms_norm`.
-The attention itself (SDPA, rotary, output gate) and every GEMM stay transformers'.
+The attention itself (SDPA, rotary, output gate, its KV cache) and every GEMM stay transformers'.
+
+With a cache (generation: regenerate's embedded engine; speculative decoding: the online eval) the decoder layer
+still runs its norms, fused residual+norm and SwiGLU fast (they are per token) and hands the cache to its token
+mixer. The GDN serves two kinds of cached call itself, writing the cache as transformers' forward does:
+- prefill (the layer has no state yet): the fused conv and delta rule as above, then the last W = conv-kernel
+  inputs of the conv go to `cache.update_conv_state` (the same [B, D, W] tensor transformers stores) and the
+  delta rule's final state (fp32, [B, HV, K, V]) to `cache.update_recurrent_state`;
+- a block of T > 1 tokens after a state (a verify forward, RollbackCache's replay of the accepted tokens): the
+  conv over [the cached W inputs; the new ones] (transformers' cat) keeping the last T outputs, the delta rule
+  from the cached recurrent state, both states written back the same way.
+A one-token decode step keeps transformers' forward of the GDN (its per-step kernels: causal_conv1d_update and
+fla's fused_recurrent_gated_delta_rule where fla is importable), as does a cache recording its past for `crop`
+and a cache without transformers 5's linear-attention methods.
 
 Contract:
-- `choose(model, device, enabled)` -> (fast: bool, line): the fast forward runs only when enabled
-  (`extract.fast_forward`), on CUDA, with fla importable, on a target whose decoder layers are all
-  Qwen3_5DecoderLayer; otherwise the line names the reason and transformers' reference forward runs, unchanged.
+- `choose(model, device, enabled, key=)` -> (fast: bool, line): the fast forward runs only when enabled (the
+  stage's switch `key`: `extract.fast_forward`, `regenerate.fast_forward` (the embedded engine),
+  `eval.fast_forward` (online eval); all default on), on CUDA, with fla importable, on a target whose decoder
+  layers are all Qwen3_5DecoderLayer; otherwise the line names the reason and transformers' reference forward
+  runs, unchanged. `enable(model, device, enabled, key=)` is choose() plus install(), returning the line each
+  stage logs.
 - `install(model, ops, gate_in_kernel)` rebinds; `remove(model)` gives back the reference forwards. Parameters and
-  the state dict are untouched. A call with a cache (generation, speculative decoding) or packed sequences
-  (`cu_seq_lens_q`) takes the reference forward of that layer: the fast path covers prefill without state.
+  the state dict are untouched. Calls with a cache: as above. Packed sequences (`cu_seq_lens_q`) take the
+  reference GDN forward (norms and MLP stay fast).
 - `fla_ops()` are the kernels; `torch_ops()` the same signatures in plain torch (CPU tests and the bench's CPU
   smoke run check the wiring with them). Equality with the reference forward: tests/test_fast_forward.py (CPU,
-  torch_ops) and its GPU test (fla, bf16 tolerance, max/mean relative error per tap layer).
+  torch_ops: features without a cache; with a cache the cache contents after a prefill, decode steps and blocks,
+  generate()'s and the embedded engine's tokens, speculative decoding's accepted lengths) and its GPU tests
+  (fla, bf16 tolerance against an fp32 forward: max/mean relative error per tap layer; with a cache the states,
+  decode and verify logits around rollbacks).
 """
 
 from __future__ import annotations
