@@ -205,7 +205,10 @@ def _cached_mode(gdn: nn.Module, cache, T: int) -> Optional[str]:
     recording = getattr(cache, "is_recording_past", None)
     if recording is not None and recording(idx):
         return None
-    conv, rec = cache.get_conv_state(idx), cache.get_recurrent_state(idx)
+    try:
+        conv, rec = cache.get_conv_state(idx), cache.get_recurrent_state(idx)
+    except ValueError:  # not a linear-attention layer of this cache: transformers' forward says what is wrong
+        return None
     if conv is None and rec is None:
         return "prefill"
     if conv is not None and rec is not None and T > 1:
