@@ -12,18 +12,37 @@ loaded Qwen3_5 text model to flash-linear-attention's (fla 0.6) Triton kernels:
   -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) computed inside `chunk_gated_delta_rule`
   (`gate_in_kernel`); the gated RMSNorm as fla `rms_norm_gated`;
 - every other Qwen3_5RMSNorm (q/k norms of the attention layers, the final norm): fla `rms_norm`.
-The attention itself (SDPA, rotary, output gate) and every GEMM stay transformers'.
+The attention itself (SDPA, rotary, output gate, its KV cache) and every GEMM stay transformers'.
+
+With a cache (generation: regenerate's embedded engine; speculative decoding: the online eval) the decoder layer
+still runs its norms, fused residual+norm and SwiGLU fast (they are per token) and hands the cache to its token
+mixer. The GDN serves two kinds of cached call itself, writing the cache as transformers' forward does:
+- prefill (the layer has no state yet): the fused conv and delta rule as above, then the last W = conv-kernel
+  inputs of the conv go to `cache.update_conv_state` (the same [B, D, W] tensor transformers stores) and the
+  delta rule's final state (fp32, [B, HV, K, V]) to `cache.update_recurrent_state`;
+- a block of T > 1 tokens after a state (a verify forward, RollbackCache's replay of the accepted tokens): the
+  conv over [the cached W inputs; the new ones] (transformers' cat) keeping the last T outputs, the delta rule
+  from the cached recurrent state, both states written back the same way.
+A one-token decode step keeps transformers' forward of the GDN (its per-step kernels: causal_conv1d_update and
+fla's fused_recurrent_gated_delta_rule where fla is importable), as does a cache recording its past for `crop`
+and a cache without transformers 5's linear-attention methods.
 
 Contract:
-- `choose(model, device, enabled)` -> (fast: bool, line): the fast forward runs only when enabled
-  (`extract.fast_forward`), on CUDA, with fla importable, on a target whose decoder layers are all
-  Qwen3_5DecoderLayer; otherwise the line names the reason and transformers' reference forward runs, unchanged.
+- `choose(model, device, enabled, key=)` -> (fast: bool, line): the fast forward runs only when enabled (the
+  stage's switch `key`: `extract.fast_forward`, `regenerate.fast_forward` (the embedded engine),
+  `eval.fast_forward` (online eval); all default on), on CUDA, with fla importable, on a target whose decoder
+  layers are all Qwen3_5DecoderLayer; otherwise the line names the reason and transformers' reference forward
+  runs, unchanged. `enable(model, device, enabled, key=)` is choose() plus install(), returning the line each
+  stage logs.
 - `install(model, ops, gate_in_kernel)` rebinds; `remove(model)` gives back the reference forwards. Parameters and
-  the state dict are untouched. A call with a cache (generation, speculative decoding) or packed sequences
-  (`cu_seq_lens_q`) takes the reference forward of that layer: the fast path covers prefill without state.
+  the state dict are untouched. Calls with a cache: as above. Packed sequences (`cu_seq_lens_q`) take the
+  reference GDN forward (norms and MLP stay fast).
 - `fla_ops()` are the kernels; `torch_ops()` the same signatures in plain torch (CPU tests and the bench's CPU
   smoke run check the wiring with them). Equality with the reference forward: tests/test_fast_forward.py (CPU,
-  torch_ops) and its GPU test (fla, bf16 tolerance, max/mean relative error per tap layer).
+  torch_ops: features without a cache; with a cache the cache contents after a prefill, decode steps and blocks,
+  generate()'s and the embedded engine's tokens, speculative decoding's accepted lengths) and its GPU tests
+  (fla, bf16 tolerance against an fp32 forward: max/mean relative error per tap layer; with a cache the states,
+  decode and verify logits around rollbacks).
 """
 
 from __future__ import annotations
@@ -78,7 +97,8 @@ def _t_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=Non
 
 def _t_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, **kw):
-    """q, k [B, T, H, K], v [B, T, HV, V], g/beta [B, T, HV] -> ([B, T, HV, V], None); the token recurrence."""
+    """q, k [B, T, H, K], v [B, T, HV, V], g/beta [B, T, HV], initial_state [B, HV, K, V] or None -> ([B, T, HV, V],
+    the final state [B, HV, K, V] fp32 when output_final_state else None); the token recurrence."""
     if kw.get("use_gate_in_kernel"):
         g = -kw["A_log"].float().exp() * F.softplus(g.float() + kw["dt_bias"])
     beta = beta.float().sigmoid() if use_beta_sigmoid_in_kernel else beta.float()
@@ -88,14 +108,15 @@ def _t_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, 
         q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
     q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
     B, T, HV, V = v.shape
-    S = torch.zeros(B, HV, q.shape[-1], V, dtype=torch.float32, device=v.device)
+    S = (initial_state.float().clone() if initial_state is not None else  # [B, HV, K, V], fla's layout
+         torch.zeros(B, HV, q.shape[-1], V, dtype=torch.float32, device=v.device))
     out = torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device)
     for t in range(T):
         S = S * g[:, t].float().exp()[..., None, None]
         delta = (v[:, t].float() - (S * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
         S = S + k[:, t, ..., None] * delta[..., None, :]
         out[:, t] = (S * q[:, t, ..., None]).sum(-2)
-    return out.to(v.dtype), None
+    return out.to(v.dtype), (S if output_final_state else None)  # the final state in fp32, as fla's
 
 
 def torch_ops() -> SimpleNamespace:
@@ -119,12 +140,14 @@ def _layers(model: nn.Module) -> Optional[nn.ModuleList]:
         return None
 
 
-def choose(model: nn.Module, device: torch.device, enabled: bool = True, have_fla: Optional[bool] = None):
-    """(fast, line): whether the fast forward can run for this model and device, and the log line saying so."""
+def choose(model: nn.Module, device: torch.device, enabled: bool = True, have_fla: Optional[bool] = None,
+           key: str = "extract.fast_forward"):
+    """(fast, line): whether the fast forward can run for this model and device, and the log line saying so
+    (`key`: the config switch the line names when it is off)."""
     layers = _layers(model)
     kinds = sorted({type(m).__name__ for m in layers}) if layers is not None else [type(model).__name__]
     if not enabled:
-        return False, "target forward: transformers' reference (extract.fast_forward: false)"
+        return False, f"target forward: transformers' reference ({key}: false)"
     if not layers or any(k not in COVERED for k in kinds):
         return False, (f"target forward: transformers' reference ({'/'.join(kinds)} is not covered by dflash's fast "
                        "forward, which serves the Qwen3.5/3.6 hybrid)")
@@ -140,9 +163,9 @@ def choose(model: nn.Module, device: torch.device, enabled: bool = True, have_fl
                   "causal_conv1d on [B, T, D], in-kernel GDN gates, fused gated norm)")
 
 
-def enable(model: nn.Module, device: torch.device, enabled: bool = True) -> str:
+def enable(model: nn.Module, device: torch.device, enabled: bool = True, key: str = "extract.fast_forward") -> str:
     """choose() and, when it says fast, install(model, fla_ops()); returns the line to log."""
-    fast, line = choose(model, device, enabled)
+    fast, line = choose(model, device, enabled, key=key)
     if fast:
         install(model, fla_ops())
     return line
@@ -168,30 +191,71 @@ def _norm_forward(norm: nn.Module, ops):
     return forward
 
 
+def _cached_mode(gdn: nn.Module, cache, T: int) -> Optional[str]:
+    """How the fast GDN serves a call with `cache`: "prefill" (the layer has no state yet), "extend" (T > 1 new
+    tokens after a state: a verify block, a rollback's replay) or None (transformers' forward: a one-token
+    decode step, a cache recording its past for crop, a cache without transformers 5's linear-attention API)."""
+    idx = gdn.layer_idx
+    if not all(hasattr(cache, f) for f in ("get_conv_state", "update_conv_state", "get_recurrent_state",
+                                            "update_recurrent_state")):
+        return None
+    layers = getattr(cache, "layers", None)
+    if layers is not None and idx >= len(layers):
+        return None
+    recording = getattr(cache, "is_recording_past", None)
+    if recording is not None and recording(idx):
+        return None
+    try:
+        conv, rec = cache.get_conv_state(idx), cache.get_recurrent_state(idx)
+    except ValueError:  # not a linear-attention layer of this cache: transformers' forward says what is wrong
+        return None
+    if conv is None and rec is None:
+        return "prefill"
+    if conv is not None and rec is not None and T > 1:
+        return "extend"
+    return None
+
+
 def _gdn_forward(gdn: nn.Module, ops, gate_in_kernel: bool):
     ref = type(gdn).forward
     conv_w = gdn.conv1d.weight.detach().squeeze(1)  # [D, W], a view
+    W = gdn.conv_kernel_size
     K, V, dk, dv = gdn.key_dim, gdn.value_dim, gdn.head_k_dim, gdn.head_v_dim
 
     def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
-        if cache is not None or kwargs.get("cache_params") is not None or kwargs.get("cu_seq_lens_q") is not None:
+        if cache is None:
+            cache = kwargs.pop("cache_params", None)  # transformers' deprecated name
+        mode = _cached_mode(gdn, cache, hidden_states.shape[1]) if cache is not None else None
+        if (cache is not None and mode is None) or kwargs.get("cu_seq_lens_q") is not None:
             return ref(gdn, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None:  # zero the padded tokens, as transformers does
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         B, T, _ = hidden_states.shape
-        qkv, _ = ops.causal_conv1d(gdn.in_proj_qkv(hidden_states), weight=conv_w, bias=gdn.conv1d.bias,
-                                   activation=gdn.activation)  # [B, T, 2K + V], no transposes
+        pre = gdn.in_proj_qkv(hidden_states)  # [B, T, 2K + V], before the conv
+        conv_kw = dict(weight=conv_w, bias=gdn.conv1d.bias, activation=gdn.activation)
+        if mode == "extend":  # the conv reads the cached last W inputs first, as transformers' cat does
+            state = cache.get_conv_state(gdn.layer_idx)  # [B, D, W]
+            qkv = ops.causal_conv1d(torch.cat([state.transpose(1, 2).to(pre.dtype), pre], dim=1), **conv_kw)[0][:, -T:]
+        else:
+            qkv, _ = ops.causal_conv1d(pre, **conv_kw)  # [B, T, 2K + V], no transposes
+        initial = cache.get_recurrent_state(gdn.layer_idx) if mode == "extend" else None
+        if cache is not None:  # the cache keeps the last W conv inputs, [B, D, W], written as transformers writes them
+            cache.update_conv_state(pre[:, -W:].transpose(1, 2), gdn.layer_idx, conv_kernel_size=W)
         q, k, v = torch.split(qkv, [K, K, V], dim=-1)
         q, k, v = q.reshape(B, T, -1, dk), k.reshape(B, T, -1, dk), v.reshape(B, T, -1, dv)  # [B, T, H|HV, d]
         z = gdn.in_proj_z(hidden_states)  # [B, T, HV * dv]
         b, a = gdn.in_proj_b(hidden_states), gdn.in_proj_a(hidden_states)  # [B, T, HV]
+        state_kw = dict(initial_state=initial, output_final_state=cache is not None)
         if gate_in_kernel:
-            o, _ = ops.chunk_gated_delta_rule(q, k, v, g=a, beta=b, use_qk_l2norm_in_kernel=True,
-                                              use_gate_in_kernel=True, A_log=gdn.A_log, dt_bias=gdn.dt_bias,
-                                              use_beta_sigmoid_in_kernel=True)
+            o, final = ops.chunk_gated_delta_rule(q, k, v, g=a, beta=b, use_qk_l2norm_in_kernel=True,
+                                                  use_gate_in_kernel=True, A_log=gdn.A_log, dt_bias=gdn.dt_bias,
+                                                  use_beta_sigmoid_in_kernel=True, **state_kw)
         else:
             g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
-            o, _ = ops.chunk_gated_delta_rule(q, k, v, g=g, beta=b.sigmoid(), use_qk_l2norm_in_kernel=True)
+            o, final = ops.chunk_gated_delta_rule(q, k, v, g=g, beta=b.sigmoid(), use_qk_l2norm_in_kernel=True,
+                                                  **state_kw)
+        if cache is not None:  # [B, HV, K, V] fp32
+            cache.update_recurrent_state(final, gdn.layer_idx)
         o = ops.rms_norm_gated(o.reshape(-1, dv), z.reshape(-1, dv), gdn.norm.weight, None, activation="silu",
                                eps=gdn.norm.variance_epsilon)  # [B * T * HV, dv]
         return gdn.out_proj(o.reshape(B, T, -1))  # [B, T, H]
@@ -200,22 +264,22 @@ def _gdn_forward(gdn: nn.Module, ops, gate_in_kernel: bool):
 
 
 def _layer_forward(layer: nn.Module, ops):
-    ref = type(layer).forward
     w_in, w_post = _zero_centred(layer.input_layernorm), _zero_centred(layer.post_attention_layernorm)
     eps_in, eps_post = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
     mlp = layer.mlp
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
                 **kwargs):
-        if cache is not None or kwargs.get("past_key_values") is not None:
-            return ref(layer, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                       position_ids=position_ids, cache=cache, **kwargs)
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)  # transformers' deprecated name
+        # norms, residual adds and MLP are per token: the same with or without a cache; the token mixer gets the
+        # cache and decides (the GDN above; attention is transformers' own, KV cache included)
         h = ops.rms_norm(hidden_states, w_in, None, eps=eps_in)  # [B, T, H]
         if layer.block_type == "linear_attention":
-            h = layer.linear_attn(hidden_states=h, cache=None, attention_mask=attention_mask, **kwargs)
+            h = layer.linear_attn(hidden_states=h, cache=cache, attention_mask=attention_mask, **kwargs)
         else:
             h, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=None, position_embeddings=position_embeddings, **kwargs)
+                                   cache=cache, position_embeddings=position_embeddings, **kwargs)
         h, residual = ops.rms_norm(h, w_post, None, residual=hidden_states, eps=eps_post, prenorm=True)
         return residual + mlp.down_proj(ops.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))  # [B, T, H]
 

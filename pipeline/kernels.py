@@ -8,7 +8,8 @@ torch paths against 9,291 with flash-linear-attention 0.6 (docs/benchmarks.md).
 
 Contract:
 - `kernel_report(layer_types, device_type, fast_forward)` -> one line naming what the target will use, or None for
-  a target without linear-attention layers (fast_forward: extraction's `extract.fast_forward`, whose conv is fla's). It only looks for the packages (no import, no CUDA context: the extract
+  a target without linear-attention layers (fast_forward: the stage's switch, `extract.fast_forward` or
+  `eval.fast_forward`; the fast forward's conv is fla's). It only looks for the packages (no import, no CUDA context: the extract
   parent must not touch the GPUs). On the torch fallback it gives the measured slowdown and the install command.
 - `resolved_kernels()` -> {op: "module.function"} as transformers actually bound them (after the model's
   modeling module is imported); the worker logs it.

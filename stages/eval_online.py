@@ -8,7 +8,9 @@ training store used. Reports tau (tokens per verify step), tokens per target for
 and every prompt whose speculative output differs from greedy (must be none: that is a bug, reported with
 the target's logit gap at the first difference), and which cache policy ran and how it rolled back rejected
 drafts (`cache`, `cache_rollback`; hybrid targets restore their linear-attention states, stages/speculate.py).
-A hybrid target's kernels are named in one line before loading (pipeline/kernels.py).
+A hybrid target's kernels are named in one line before loading (pipeline/kernels.py), and which forward it runs
+in one after: dflash's fast forward where it applies (`eval.fast_forward`, pipeline/fast_forward.py), else
+transformers', with the reason.
 At eval.temperature > 0 both decoders sample (eval.top_p, eval.seed; each prompt's draws seeded from its
 index) and the speculative one verifies drafts with the lossless rejection rule (stages/sampling.py), as
 serving does: outputs then differ from the baseline's by chance, so the token-for-token check is replaced by
@@ -99,6 +101,18 @@ def _layer_types(path: str) -> Optional[list]:
         return None
 
 
+def load_online_target(cfg: Config, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The target on `device`, with dflash's fast forward where it applies (`eval.fast_forward`: CUDA with
+    flash-linear-attention, pipeline/fast_forward.py; it serves the cached prefill, decode and verify forwards);
+    logs which forward runs, or why the reference does."""
+    from pipeline.fast_forward import enable
+    from pipeline.target import load_target
+
+    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
+    log(f"eval: {enable(model, device, cfg.eval.fast_forward, key='eval.fast_forward')}")
+    return model
+
+
 @torch.inference_mode()
 def _margin(model, prefix: list[int], greedy: list[int], spec: list[int], i: int) -> Optional[float]:
     """Diagnostic for a mismatch: the target's logit gap (full forward, no cache) between the two tokens chosen
@@ -126,7 +140,7 @@ def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: 
 
 def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cache, store_attrs, threads) -> dict:
     from pipeline.kernels import kernel_report, use_kernel_cache
-    from pipeline.target import DTYPES, load_target, load_tokenizer
+    from pipeline.target import DTYPES, load_tokenizer
     from stages.sampling import Sampling
     from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
 
@@ -138,12 +152,12 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
             log(f"eval: WARNING: the store was extracted with enable_thinking={think} but data.enable_thinking="
                 f"{cfg.data.enable_thinking}; the drafter is being served a different template than it learned")
     tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
-    line = kernel_report(_layer_types(cfg.target.path), device.type)
+    line = kernel_report(_layer_types(cfg.target.path), device.type, cfg.eval.fast_forward)
     if line:
         log(f"eval: {line}")
         if device.type == "cuda":
             use_kernel_cache()
-    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
+    model = load_online_target(cfg, device, dtype)
     n_layers = model.config.get_text_config().num_hidden_layers
     if max(arch.target_layer_ids) >= n_layers:
         raise EvalError(f"the drafter uses target layers {arch.target_layer_ids} but {cfg.target.path} has {n_layers}")

@@ -14,6 +14,9 @@ cores). Contract:
   commit record in `work/logs/shard-NNNNN.jsonl`. A resumed shard's remaining conversations pack into exactly
   the batches an uninterrupted run would have made (committed batches are a prefix of the length order), so
   its output is the same.
+- The target runs dflash's fast forward of the hybrid where it applies (`regenerate.fast_forward`, on by default:
+  CUDA with flash-linear-attention; pipeline/fast_forward.py), else transformers' forward; the shard's log says
+  which and why (`load_engine_target`).
 - SIGTERM/SIGINT (or the parent dying) stops generation at the next decode step; the batch in progress is
   dropped (recomputed on resume) and the worker exits 143. Progress goes to stdout as JSON lines.
 """
@@ -127,6 +130,25 @@ class EmbeddedEngine:
         return replies
 
 
+def load_engine_target(cfg: Config):
+    """(model, device): the embedded engine's target, on CUDA when present, with dflash's fast forward where it
+    applies (`regenerate.fast_forward`, pipeline/fast_forward.py: prefill and decode steps with the KV cache);
+    the line saying which forward runs, or why the reference does, goes to stderr (the shard's log)."""
+    from pipeline.fast_forward import enable
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = DTYPES[cfg.target.dtype if cuda else cfg.target.cpu_dtype]
+    if cuda:
+        from pipeline.kernels import use_kernel_cache
+
+        use_kernel_cache()  # before the kernels are imported: their autotuning is kept for later shards and runs
+    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
+    print(enable(model, device, cfg.regenerate.fast_forward, key="regenerate.fast_forward"), file=sys.stderr,
+          flush=True)
+    return model, device
+
+
 def shard_conversations(work: Path, shard_index: int, num_shards: int) -> tuple[list[Conversation], int]:
     """(this shard's conversations that no log has committed, committed ones of this shard)."""
     with open(work / "prompts.jsonl", encoding="utf-8") as f:
@@ -156,12 +178,9 @@ def run_shard(cfg: Config, out: str, shard_index: int, num_shards: int) -> int:
     if not plan:
         emit("done", shard=shard_index, already=True)
         return 0
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = DTYPES[cfg.target.dtype if cuda else cfg.target.cpu_dtype]
     tokenizer = load_tokenizer(cfg.target.path, cfg.target.trust_remote_code)
-    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
-    if not cuda and sum(p.numel() for p in model.parameters()) < 100_000_000:
+    model, device = load_engine_target(cfg)
+    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < 100_000_000:
         torch.set_num_threads(1)  # as eval does: small matmuls do not split well, and far worse on a busy machine
 
     def on_tokens(n: int, finished: bool) -> None:
