@@ -33,14 +33,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .drafter import DFlashDrafter, DrafterArch
 from .export2 import export_dflash2, load_exported2
-from .export_dir import (_SRC, CHECKSUMS, MODELING_FILE, MODELING_HELPERS, ExportError, _check,  # noqa: F401
-                         _is_export, _replace_dir, contract_keys, hf_config_dict, verify_checksums,
-                         write_checksums)
-from .target import DTYPES
+from .export_dir import (CHECKSUMS, MODELING_FILES, ExportError, _is_export, _replace_dir,  # noqa: F401
+                         contract_keys, export_state, finish_load, hf_config_dict, verify_checksums, write_checksums,
+                         write_files)
 
 def export_drafter(
     drafter: DFlashDrafter,
@@ -89,27 +88,14 @@ def _write_export(
                               tie_word_embeddings=tie_word_embeddings, dtype=dtype, for_sglang=for_sglang,
                               extra_metadata=extra_metadata)
     arch = arch or drafter.arch
-    if dtype not in DTYPES:
-        raise ValueError(f"export_drafter: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    state = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
+    state = export_state(drafter, dtype)
     expected = contract_keys(arch.num_hidden_layers)
     if sorted(state) != expected:
         extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
         raise ValueError(f"export_drafter: state_dict keys differ from the contract: extra {extra}, missing {missing}")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-
     cfg = hf_config_dict(arch, vocab_size=vocab_size, num_target_layers=num_target_layers,
                          tie_word_embeddings=tie_word_embeddings, dtype=dtype, for_sglang=for_sglang)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "modeling_dflash.py").write_text(MODELING_FILE)
-    for helper in MODELING_HELPERS:
-        shutil.copyfile(_SRC / helper, out / helper)
-    if extra_metadata is not None:
-        (out / "dflash_meta.json").write_text(json.dumps(extra_metadata, indent=2, default=str) + "\n")
-    return out
+    return write_files(out_dir, state, cfg, MODELING_FILES, extra_metadata)
 
 
 def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
@@ -128,9 +114,4 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     if sorted(state) != expected:
         extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
         raise ValueError(f"{path}/model.safetensors: keys differ from the contract: extra {extra}, missing {missing}")
-    drafter = DFlashDrafter(arch)
-    drafter.load_state_dict(state, strict=True)
-    drafter.to(device=device, dtype=dtype or state["fc.weight"].dtype)
-    if (path / "dflash_meta.json").exists():
-        meta["dflash_meta"] = json.loads((path / "dflash_meta.json").read_text())
-    return drafter.eval(), arch, meta
+    return finish_load(path, meta, DFlashDrafter(arch), state, device, dtype)
