@@ -277,10 +277,3 @@ class DFlash2Drafter(DFlashDrafter):
     def pick(self, hidden: Tensor, logits: Tensor, anchor_ids: Tensor) -> Tensor:
         """DFlash's `pick` (the serving decision), here the selector's walk: `select`."""
         return self.select(hidden, logits, anchor_ids)
-
-
-def build_from_arch_dict(d: dict) -> DFlashDrafter:
-    """A checkpoint's recorded arch (DrafterArch or DFlash2Arch as a dict) -> the matching, freshly built drafter."""
-    if "selector_rank" in d:
-        return DFlash2Drafter(DFlash2Arch(**d))
-    return DFlashDrafter(DrafterArch(**d))

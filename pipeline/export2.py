@@ -55,11 +55,12 @@ def contract_shapes2(arch: DFlash2Arch) -> dict[str, tuple]:
 FILES2 = (*MODELING_FILES, "modeling_dflash2.py", "drafter2.py")
 
 
-def export_dflash2(drafter: DFlash2Drafter, out_dir: str | Path, *, vocab_size: int, num_target_layers: int,
-                   tie_word_embeddings: bool = False, dtype: str = "bfloat16", for_sglang: bool = False,
-                   extra_metadata: Optional[dict] = None) -> Path:
-    """As `pipeline.export.export_drafter` (which calls this for a DFlash 2 drafter)."""
-    arch: DFlash2Arch = drafter.arch
+def export_dflash2(drafter: DFlash2Drafter, arch: Optional[DFlash2Arch], out_dir: str | Path, *, vocab_size: int,
+                   num_target_layers: int, tie_word_embeddings: bool = False, dtype: str = "bfloat16",
+                   for_sglang: bool = False, extra_metadata: Optional[dict] = None) -> Path:
+    """As pipeline/export1.py's `export_dflash` (pipeline.export.export_drafter calls this for a DFlash 2 drafter,
+    through the arch registry)."""
+    arch = arch or drafter.arch
     _check("vocab_size", int(vocab_size), arch.vocab_size)
     state = export_state(drafter, dtype)
     _require_contract(state, arch, "export_drafter: the drafter's state_dict")
@@ -88,7 +89,8 @@ def _require_contract(state: dict, arch: DFlash2Arch, what: str) -> None:
 
 
 def load_exported2(path: Path, meta: dict, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
-    """A DFlash2DraftModel directory -> (DFlash2Drafter, DFlash2Arch, meta) (called by pipeline.export.load_exported)."""
+    """A DFlash2DraftModel directory -> (DFlash2Drafter, DFlash2Arch, meta) (pipeline.export.load_exported calls
+    this through the arch registry)."""
     arch = DFlash2Arch.from_exported(meta)
     state = load_file(str(Path(path) / "model.safetensors"))
     _require_contract(state, arch, f"{path}/model.safetensors")

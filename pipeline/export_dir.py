@@ -142,19 +142,11 @@ def hf_config_dict(
 
 
 CHECKSUMS = "checksums.sha256"
-_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
 class ExportError(UserError, ValueError):
     """An export directory that cannot be written (a non-empty OUT that is not an export) or that fails its
     checksums (a damaged file); the message names the directory or the file and the fix."""
-
-
-def _is_export(d: Path) -> bool:
-    try:
-        return any(a in _ARCHITECTURES for a in json.loads((d / "config.json").read_text()).get("architectures") or [])
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def write_checksums(d: Path) -> None:
