@@ -25,6 +25,7 @@ import torch
 from timing import device_sync, timed
 from train_bench import TINY, build_case, train_step, useful_flops
 
+from pipeline.archs import ARCHS
 from pipeline.compile_setup import inductor_workarounds
 from pipeline.masks import dense_mask
 
@@ -75,7 +76,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=4096, help="train.loss_chunk_rows")
-    ap.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash")
+    ap.add_argument("--arch", choices=list(ARCHS), default="dflash")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak of the GPU")
     ap.add_argument("--tiny", action="store_true", help=f"a tiny drafter instead of the 27B one: {TINY}")

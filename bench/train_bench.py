@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:  # `python bench/train_bench.py` puts bench/ on th
     sys.path.insert(0, str(ROOT))
 
 from bench.timing import device_sync, timed  # noqa: E402
+from pipeline.archs import ARCHS  # noqa: E402
 from pipeline.compile_setup import inductor_workarounds
 from pipeline.config import Config, DrafterConfig, TrainConfig
 from pipeline.train_step import build_drafter, step_loss
@@ -72,7 +73,7 @@ def main() -> None:
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--compile", choices=["layers", "whole"], default="layers", help="regional (dflash train) or whole")
-    ap.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash", help="drafter.arch (DFlash 2: issue 20)")
+    ap.add_argument("--arch", choices=list(ARCHS), default="dflash", help="drafter.arch (DFlash 2: issue 20)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (with --tiny --modes sdpa: a smoke test)")
     ap.add_argument("--tiny", action="store_true", help=f"a tiny shape instead of the 27B one: {TINY}")
     a = ap.parse_args()

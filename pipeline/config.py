@@ -221,6 +221,26 @@ class Config:
         return d
 
 
+def _validate_dflash2(cfg: Config) -> None:
+    """The DFlash 2 keys (only checked when drafter.arch is dflash2)."""
+    src, d = cfg.source, cfg.drafter
+    if not 1 <= d.conv_kernel_size <= d.block_size:
+        raise ConfigError(f"{src}: drafter.conv_kernel_size = {d.conv_kernel_size} must be between 1 and "
+                          f"drafter.block_size ({d.block_size}): the convolution stays inside one block")
+    if d.conv_group_size <= 0 or d.hidden_size % d.conv_group_size:
+        raise ConfigError(f"{src}: drafter.conv_group_size = {d.conv_group_size} must divide drafter.hidden_size "
+                          f"({d.hidden_size})")
+
+
+# drafter.arch -> the checks of its own keys. The arch registry is pipeline/archs.py (its drafter, loss, export,
+# loader); this file cannot import it (pipeline/export2.py -> pipeline/target.py -> here), so
+# tests/test_archs.py holds these names equal to the registry's.
+ARCH_CHECKS = {
+    "dflash": lambda cfg: None,
+    "dflash2": _validate_dflash2,
+}
+
+
 _CHOICES = {
     ("store", "encoding"): ENCODINGS,
     ("data", "on_bad_row"): ("error", "skip"),
@@ -229,7 +249,7 @@ _CHOICES = {
     ("train", "precision"): ("bf16-mixed", "32-true", "bf16-true"),
     ("target", "dtype"): ("bfloat16", "float16", "float32"),
     ("target", "cpu_dtype"): ("bfloat16", "float32"),
-    ("drafter", "arch"): ("dflash", "dflash2"),
+    ("drafter", "arch"): tuple(ARCH_CHECKS),
     ("train", "export_checkpoint"): ("best", "last"),
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -338,8 +358,7 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{src}: drafter.layer_types uses sliding_attention; set drafter.sliding_window")
     if d.num_attention_heads % d.num_key_value_heads:
         raise ConfigError(f"{src}: drafter.num_attention_heads must be a multiple of drafter.num_key_value_heads")
-    if d.arch == "dflash2":
-        _validate_dflash2(cfg)
+    ARCH_CHECKS[d.arch](cfg)  # the arch's own keys (DFlash 2's convolution shape)
     _validate_anchors(cfg.train, src)
     if cfg.data.max_length > d.max_position_embeddings:
         raise ConfigError(f"{src}: data.max_length ({cfg.data.max_length}) exceeds drafter.max_position_embeddings "
@@ -357,17 +376,6 @@ def _validate(cfg: Config) -> None:
                           "pack_tokens or leave it unset (= data.max_length)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:
         raise ConfigError(f"{src}: target.layer_ids must be strictly increasing, got {cfg.target.layer_ids}")
-
-
-def _validate_dflash2(cfg: Config) -> None:
-    """The DFlash 2 keys (only checked when drafter.arch is dflash2)."""
-    src, d = cfg.source, cfg.drafter
-    if not 1 <= d.conv_kernel_size <= d.block_size:
-        raise ConfigError(f"{src}: drafter.conv_kernel_size = {d.conv_kernel_size} must be between 1 and "
-                          f"drafter.block_size ({d.block_size}): the convolution stays inside one block")
-    if d.conv_group_size <= 0 or d.hidden_size % d.conv_group_size:
-        raise ConfigError(f"{src}: drafter.conv_group_size = {d.conv_group_size} must divide drafter.hidden_size "
-                          f"({d.hidden_size})")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

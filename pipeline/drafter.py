@@ -228,6 +228,9 @@ class DecoderLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     layer_cls = DecoderLayer  # a subclass may wrap the layer (drafter2.py), keeping its call signature
+    # the draft is the logits' argmax, so a sampling decoder may draw from the logits instead (stages/speculate.py);
+    # False for a drafter whose `pick` is a rule of its own (DFlash 2's selector walk)
+    draws_from_logits = True
 
     def __init__(self, arch: DrafterArch):
         super().__init__()
@@ -277,6 +280,12 @@ class DFlashDrafter(nn.Module):
             else:
                 h = layer(h, ctx, cos, sin, attend)
         return self.norm(h)
+
+    def pick(self, hidden: Tensor, logits: Tensor, anchor_ids: Tensor) -> Tensor:
+        """The serving decision. hidden [N, P, H] (slots 1..bs-1), logits [N, P, V] = hidden @ lm_head^T,
+        anchor_ids [N] (the verified token each block starts from) -> draft ids [N, P]: DFlash drafts the argmax
+        (DFlash 2 overrides this with its selector's walk)."""
+        return logits.argmax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -329,6 +338,5 @@ def draft_blocks(
     )
     h = drafter(block_embeds, ctx, q_pos, ctx_pos, attend).view(A, bs, -1)[:, 1:]  # [A, bs-1, H]
     logits = (h.to(lm_head_weight.dtype) @ lm_head_weight.t()).float()  # [A, bs-1, V]
-    # a drafter with its own decision rule (DFlash 2's selector walk from the anchor token) picks the tokens
-    draft = drafter.select(h, logits, ids[:, 0]) if hasattr(drafter, "select") else logits.argmax(-1)
+    draft = drafter.pick(h, logits, ids[:, 0])  # the argmax, or DFlash 2's selector walk from the anchor token
     return (draft, logits) if return_logits else draft

@@ -242,6 +242,7 @@ class DFlash2Drafter(DFlashDrafter):
     rows of `forward` must be whole blocks, block-major (as pipeline.masks.build_blocks lays them out)."""
 
     layer_cls = DecoderLayer2
+    draws_from_logits = False  # the draft is the selector's walk (deterministic), not a draw from the logits
 
     def __init__(self, arch: DFlash2Arch):
         super().__init__(arch)  # DFlash's modules (layers with convolutions), initialised by reset_parameters below
@@ -273,9 +274,6 @@ class DFlash2Drafter(DFlashDrafter):
         unary = transform_unary(unary, a.output_multiplier, a.final_logit_softcapping)
         return self.candidate_selector.walk(candidates, unary, hidden, anchor_ids.to(candidates.device))
 
-
-def build_from_arch_dict(d: dict) -> DFlashDrafter:
-    """A checkpoint's recorded arch (DrafterArch or DFlash2Arch as a dict) -> the matching, freshly built drafter."""
-    if "selector_rank" in d:
-        return DFlash2Drafter(DFlash2Arch(**d))
-    return DFlashDrafter(DrafterArch(**d))
+    def pick(self, hidden: Tensor, logits: Tensor, anchor_ids: Tensor) -> Tensor:
+        """DFlash's `pick` (the serving decision), here the selector's walk: `select`."""
+        return self.select(hidden, logits, anchor_ids)

@@ -18,6 +18,10 @@
                            (eval) and `--init-from` verify it when present (`verify_checksums`): a flipped byte
                            is refused with the file's name
 
+That is DFlash's (pipeline/export1.py); DFlash 2's (pipeline/export2.py) adds its keys, weights and modeling file.
+Which arch's files a drafter writes, and which loader an export's config.json `architectures` names, is the arch
+registry's (pipeline/archs.py); all of them write through pipeline/export_dir.py's `write_files`.
+
 The directory is written whole or not at all: into a temporary directory beside OUT, renamed into place. An OUT
 that already holds an export (its config.json names a DFlash architecture) is replaced, so no stale file of
 the earlier export (e.g. another arch's modeling file) survives; a non-empty OUT that is not an export is
@@ -33,14 +37,20 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from .archs import architectures, spec_for_export, spec_of
 from .drafter import DFlashDrafter, DrafterArch
-from .export2 import export_dflash2, load_exported2
-from .export_dir import (_SRC, CHECKSUMS, MODELING_FILE, MODELING_HELPERS, ExportError, _check,  # noqa: F401
-                         _is_export, _replace_dir, contract_keys, hf_config_dict, verify_checksums,
-                         write_checksums)
-from .target import DTYPES
+from .export_dir import (CHECKSUMS, ExportError, _replace_dir, contract_keys, hf_config_dict,  # noqa: F401
+                         verify_checksums, write_checksums)
+
+
+def _is_export(d: Path) -> bool:
+    """d/config.json names an architecture of ours (pipeline/archs.py)."""
+    try:
+        return any(a in architectures() for a in json.loads((d / "config.json").read_text()).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return False
+
 
 def export_drafter(
     drafter: DFlashDrafter,
@@ -48,8 +58,9 @@ def export_drafter(
     out_dir: str | Path,
     **kw,
 ) -> Path:
-    """Write the exported drafter directory (see `_write_export` for the arguments) whole, with its checksums;
-    returns its path. See the module contract for an OUT that already exists."""
+    """Write the exported drafter directory whole, with its checksums; returns its path. The files are the
+    drafter's arch's (pipeline/archs.py `export`: pipeline/export1.py's `export_dflash` describes the arguments,
+    arch None: drafter.arch). See the module contract for an OUT that already exists."""
     out = Path(out_dir)
     if out.is_file() or (out.is_dir() and any(out.iterdir()) and not _is_export(out)):
         raise ExportError(f"{out} is not empty and does not hold a DFlash export: refusing to mix the export with "
@@ -58,57 +69,11 @@ def export_drafter(
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_export(drafter, arch, tmp, **kw)
+        spec_of(drafter).export(drafter, arch, tmp, **kw)
         write_checksums(tmp)
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _write_export(
-    drafter: DFlashDrafter,
-    arch: Optional[DrafterArch],
-    out_dir: str | Path,
-    *,
-    vocab_size: int,
-    num_target_layers: int,
-    tie_word_embeddings: bool = False,
-    dtype: str = "bfloat16",
-    for_sglang: bool = False,
-    extra_metadata: Optional[dict] = None,
-) -> Path:
-    """Write the exported drafter directory into out_dir (a fresh temporary one: export_drafter).
-
-    arch: the drafter's (None: drafter.arch); the layer ids, mask token and block size come from it.
-    num_target_layers and vocab_size describe the target (its layer count and vocabulary). dtype: the saved
-    weights' dtype. for_sglang: omit auto_map (SGLang rejects it); the modeling files are still written.
-    """
-    if hasattr(drafter, "candidate_selector"):  # DFlash 2: its own contract (pipeline/export2.py)
-        return export_dflash2(drafter, out_dir, vocab_size=vocab_size, num_target_layers=num_target_layers,
-                              tie_word_embeddings=tie_word_embeddings, dtype=dtype, for_sglang=for_sglang,
-                              extra_metadata=extra_metadata)
-    arch = arch or drafter.arch
-    if dtype not in DTYPES:
-        raise ValueError(f"export_drafter: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    state = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
-    expected = contract_keys(arch.num_hidden_layers)
-    if sorted(state) != expected:
-        extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
-        raise ValueError(f"export_drafter: state_dict keys differ from the contract: extra {extra}, missing {missing}")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-    cfg = hf_config_dict(arch, vocab_size=vocab_size, num_target_layers=num_target_layers,
-                         tie_word_embeddings=tie_word_embeddings, dtype=dtype, for_sglang=for_sglang)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "modeling_dflash.py").write_text(MODELING_FILE)
-    for helper in MODELING_HELPERS:
-        shutil.copyfile(_SRC / helper, out / helper)
-    if extra_metadata is not None:
-        (out / "dflash_meta.json").write_text(json.dumps(extra_metadata, indent=2, default=str) + "\n")
     return out
 
 
@@ -120,17 +85,4 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     meta = json.loads((path / "config.json").read_text())
     if "partial_rotary_factor" in meta:
         raise ValueError(f"{path}/config.json has partial_rotary_factor: the drafter uses full rotary embeddings")
-    if "DFlash2DraftModel" in (meta.get("architectures") or []):  # DFlash 2 (pipeline/export2.py)
-        return load_exported2(path, meta, device, dtype)
-    arch = DrafterArch.from_exported(meta)
-    state = load_file(str(path / "model.safetensors"))
-    expected = contract_keys(arch.num_hidden_layers)
-    if sorted(state) != expected:
-        extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
-        raise ValueError(f"{path}/model.safetensors: keys differ from the contract: extra {extra}, missing {missing}")
-    drafter = DFlashDrafter(arch)
-    drafter.load_state_dict(state, strict=True)
-    drafter.to(device=device, dtype=dtype or state["fc.weight"].dtype)
-    if (path / "dflash_meta.json").exists():
-        meta["dflash_meta"] = json.loads((path / "dflash_meta.json").read_text())
-    return drafter.eval(), arch, meta
+    return spec_for_export(meta).load_export(path, meta, device, dtype)  # its arch's loader (pipeline/archs.py)

@@ -1,7 +1,9 @@
-"""The export directory both drafter archs write (pipeline/export.py, pipeline/export2.py): the serving contract's
-weight names (`contract_keys`), the transformers config.json fields (`hf_config_dict`), the modeling file and
-its helpers copied beside the weights, the checksum file (`write_checksums` / `verify_checksums`) and the
-whole-directory replace (`_replace_dir`). The layout and its rules are in pipeline/export.py's docstring.
+"""The export directory every drafter arch writes (pipeline/export.py, pipeline/export2.py): the serving contract's
+weight names (`contract_keys`), the transformers config.json fields (`hf_config_dict`), the one writer of the
+directory's files (`write_files`: weights, config.json, the modeling file and its helpers copied beside them,
+dflash_meta.json) and the one tail of loading them back (`finish_load`), the checksum file (`write_checksums` /
+`verify_checksums`) and the whole-directory replace (`_replace_dir`). The layout and its rules are in
+pipeline/export.py's docstring.
 """
 
 from __future__ import annotations
@@ -10,9 +12,15 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
 
 from .drafter import DrafterArch
 from .errors import UserError
+from .target import DTYPES
 
 _SRC = Path(__file__).resolve().parent
 
@@ -37,15 +45,49 @@ def contract_keys(num_layers: int) -> list[str]:
     return sorted(keys + ["fc.weight", "hidden_norm.weight", "norm.weight"])
 
 
-# transformers wrapper (trust_remote_code) with the serving contract's and z-lab's calling conventions and
-# spec_generate; it imports drafter.py, masks.py and target_cache.py, copied beside it
-MODELING_FILE = (_SRC / "modeling_dflash.py").read_text()
-MODELING_HELPERS = ("drafter.py", "masks.py", "target_cache.py")
+# the transformers wrapper (trust_remote_code) with the serving contract's and z-lab's calling conventions and
+# spec_generate (pipeline/modeling_dflash.py), and what it imports, copied beside it; DFlash 2 adds its own
+MODELING_FILES = ("modeling_dflash.py", "drafter.py", "masks.py", "target_cache.py")
 
 
 def _check(name: str, given, expected) -> None:
     if given is not None and given != expected:
         raise ValueError(f"export_drafter: {name}={given!r} differs from the drafter's arch ({expected!r})")
+
+
+def export_state(drafter: nn.Module, dtype: str) -> dict:
+    """The drafter's weights as saved: on the CPU, in `dtype` (a DTYPES name), contiguous."""
+    if dtype not in DTYPES:
+        raise ValueError(f"export_drafter: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
+
+
+def write_files(out_dir: str | Path, state: dict, cfg: dict, files: Sequence[str],
+                extra_metadata: Optional[dict] = None) -> Path:
+    """The one writer of an export directory's files, into a fresh directory (pipeline.export.export_drafter adds
+    the checksums and renames it into place): model.safetensors (state), config.json (cfg), `files` copied from
+    pipeline/ (the modeling file and the torch-only modules it imports), dflash_meta.json (extra_metadata)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in files:
+        shutil.copyfile(_SRC / name, out / name)
+    if extra_metadata is not None:
+        (out / "dflash_meta.json").write_text(json.dumps(extra_metadata, indent=2, default=str) + "\n")
+    return out
+
+
+def finish_load(path: str | Path, meta: dict, drafter: nn.Module, state: dict,
+                device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
+    """The end of loading an export (its keys checked against the arch's contract): the weights into `drafter`
+    (strict), on `device` in `dtype` (None: the saved one), dflash_meta.json into meta["dflash_meta"] ->
+    (drafter in eval mode, its arch, meta)."""
+    drafter.load_state_dict(state, strict=True)
+    drafter.to(device=device, dtype=dtype or state["fc.weight"].dtype)
+    if (Path(path) / "dflash_meta.json").exists():
+        meta["dflash_meta"] = json.loads((Path(path) / "dflash_meta.json").read_text())
+    return drafter.eval(), drafter.arch, meta
 
 
 def hf_config_dict(
@@ -100,19 +142,11 @@ def hf_config_dict(
 
 
 CHECKSUMS = "checksums.sha256"
-_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
 class ExportError(UserError, ValueError):
     """An export directory that cannot be written (a non-empty OUT that is not an export) or that fails its
     checksums (a damaged file); the message names the directory or the file and the fix."""
-
-
-def _is_export(d: Path) -> bool:
-    try:
-        return any(a in _ARCHITECTURES for a in json.loads((d / "config.json").read_text()).get("architectures") or [])
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def write_checksums(d: Path) -> None:

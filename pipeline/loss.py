@@ -140,6 +140,13 @@ def _check_frozen(lm_head_weight: Tensor, chunk_rows: int) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def predecessor_ids(tokens: Tensor, positions: Tensor) -> Tensor:
+    """tokens [B, S], block positions [B, Q] -> the true token before each block row [B*Q] (clamped to the
+    sequence: rows whose label is dropped get some id, never used)."""
+    prev = (positions - 1).clamp(0, tokens.shape[1] - 1)
+    return tokens.gather(1, prev).reshape(-1)
+
+
 def chunked_weighted_ce_topk(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, weights: Tensor, top_k: int,
                              chunk_rows: int = 4096, softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """`chunked_weighted_ce`, plus the ids of each supervised row's top_k logits taken chunk by chunk from the

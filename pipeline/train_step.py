@@ -12,8 +12,10 @@ Contract (stages/train_task.py, bench/train_bench.py and bench/long_bench.py cal
   loaded (strict on every backbone key and shape; the convolutions stay identity and the selector random);
   a DFlash 2 export gives a DFlash 2 drafter every weight, a DFlash export a DFlash drafter (`init_weights`).
   With train.selector_loss_alpha = 0 the selector is zeroed and frozen (it then passes the unary ranking
-  through; DDP needs no gradient for it).
-- `drafter_loss(drafter, hidden, head, blocks, tokens, train_cfg)` -> (loss_sum, correct [B*Q], extra):
+  through; DDP needs no gradient for it). Each arch's part is its entry in pipeline/archs.py (`build`,
+  `train_setup`, `warm_start_from`).
+- `drafter_loss(drafter, hidden, head, blocks, tokens, train_cfg)` -> (loss_sum, correct [B*Q], extra), each
+  arch's `loss` in pipeline/archs.py:
   * dflash: the chunked gamma-weighted CE (pipeline.loss), correct = argmax == label;
   * dflash2: CE over the transformed unary logits + alpha * the selector's K-way CE (pipeline.loss
     .selector_ce), both gamma-weighted and normalised by the caller with the same weight sum (SpecForge's
@@ -25,59 +27,47 @@ Contract (stages/train_task.py, bench/train_bench.py and bench/long_bench.py cal
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.archs import spec_for, spec_for_export, spec_of
 from pipeline.config import Config, ConfigError
-from pipeline.drafter import DFlashDrafter, DrafterArch
-from pipeline.drafter2 import DFlash2Arch, DFlash2Drafter
-from pipeline.loss import chunked_weighted_ce, chunked_weighted_ce_topk, selector_ce
+from pipeline.drafter import DFlashDrafter
 from pipeline.masks import Blocks, build_blocks, doc_starts, make_attend
 
 
 def build_drafter(cfg: Config, layer_ids: list[int], vocab_size: int) -> DFlashDrafter:
-    d = cfg.drafter
-    if d.arch == "dflash":
-        drafter = DFlashDrafter(DrafterArch.from_config(d, layer_ids))
-        if d.init_from:
-            init_weights(drafter, d.init_from, cfg.source)
-        return drafter
-    if d.selector_top_k > vocab_size:
-        raise ConfigError(f"{cfg.source}: drafter.selector_top_k = {d.selector_top_k} exceeds the target's "
-                          f"vocabulary ({vocab_size})")
-    drafter = DFlash2Drafter(DFlash2Arch.from_config(d, layer_ids, vocab_size))
-    if d.init_from:
-        init_weights(drafter, d.init_from, cfg.source)
-    if cfg.train.selector_loss_alpha == 0:
-        with torch.no_grad():
-            for p in drafter.candidate_selector.parameters():
-                p.zero_()
-        drafter.candidate_selector.requires_grad_(False)
+    spec = spec_for(cfg.drafter.arch)
+    drafter = spec.build(cfg, layer_ids, vocab_size)
+    if cfg.drafter.init_from:
+        init_weights(drafter, cfg.drafter.init_from, cfg.source)
+    spec.train_setup(drafter, cfg.train)
     return drafter
 
 
 def init_weights(drafter: DFlashDrafter, path: str, source: str = "<config>") -> None:
     """drafter.init_from / `dflash train --init-from`: start from an export's weights (stages/init_from.py checks
-    the fit first, naming each difference). A DFlash export into a DFlash 2 drafter gives its backbone
-    (`warm_start`); an export of the drafter's own arch gives every weight (strict)."""
+    the fit first, naming each difference). An export of an arch the drafter's warm-starts from (a DFlash export
+    into a DFlash 2 drafter) gives its backbone (`warm_start`); an export of the drafter's own arch gives every
+    weight (strict)."""
     import json
     from pathlib import Path
 
     from pipeline.export import load_exported
 
     try:
-        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+        meta = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{source}: drafter.init_from = {path} is not a loadable DFlash export ({e})") from None
-    is2 = "DFlash2DraftModel" in archs
-    if isinstance(drafter, DFlash2Drafter) and not is2:
-        return warm_start(drafter, path, source)
-    if is2 and not isinstance(drafter, DFlash2Drafter):
-        raise ConfigError(f"{source}: drafter.init_from = {path} is a DFlash 2 export; set drafter.arch: dflash2")
+    own, theirs = spec_of(drafter), spec_for_export(meta)
+    if theirs is not own:
+        if theirs.name in own.warm_start_from:
+            return warm_start(drafter, path, source)
+        raise ConfigError(f"{source}: drafter.init_from = {path} is a {theirs.title} export; set drafter.arch: "
+                          f"{theirs.name}")
     donor, _, _ = load_exported(path)
     own, theirs = drafter.state_dict(), donor.state_dict()
     bad = sorted(set(own) ^ set(theirs)) + [k for k in own if k in theirs and own[k].shape != theirs[k].shape]
@@ -89,8 +79,9 @@ def init_weights(drafter: DFlashDrafter, path: str, source: str = "<config>") ->
             own[k].copy_(v)
 
 
-def warm_start(drafter: DFlash2Drafter, path: str, source: str = "<config>") -> None:
-    """Copy a trained DFlash export's backbone (layers' attention/MLP/norms, fc, hidden_norm, norm) into drafter."""
+def warm_start(drafter: DFlashDrafter, path: str, source: str = "<config>") -> None:
+    """Copy a trained export's backbone (for DFlash 2 from DFlash: the layers' attention/MLP/norms, fc,
+    hidden_norm, norm) into drafter; the weights its arch adds (`ArchSpec.added_weight`) keep their start."""
     from pipeline.export import load_exported
 
     try:
@@ -101,10 +92,11 @@ def warm_start(drafter: DFlash2Drafter, path: str, source: str = "<config>") -> 
     if list(arch.target_layer_ids) != list(drafter.arch.target_layer_ids):
         raise ConfigError(f"{source}: drafter.init_from = {path} conditions on target layers {arch.target_layer_ids}, "
                           f"this drafter on {drafter.arch.target_layer_ids}; warm-start from a drafter of this target")
+    added = spec_of(drafter).added_weight
     own = drafter.state_dict()
-    backbone = {k: v for k, v in donor.state_dict().items() if "_conv." not in k and not k.startswith("candidate_selector.")}
+    backbone = {k: v for k, v in donor.state_dict().items() if not added(k)}
     bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in backbone.items() if k in own and v.shape != own[k].shape]
-    missing = sorted(k for k in own if "_conv." not in k and not k.startswith("candidate_selector.") and k not in backbone)
+    missing = sorted(k for k in own if not added(k) and k not in backbone)
     if bad or missing:
         raise ConfigError(f"{source}: drafter.init_from = {path} does not fit this drafter's shape "
                           f"({'; '.join(bad[:3]) or 'missing ' + ', '.join(missing[:3])}); the drafter section "
@@ -143,36 +135,9 @@ def step_loss(drafter: nn.Module, tokens: Tensor, loss_mask: Tensor, anchors: Te
     return loss_sum, correct, blocks, extra
 
 
-def predecessor_ids(tokens: Tensor, positions: Tensor) -> Tensor:
-    """tokens [B, S], block positions [B, Q] -> the true token before each block row [B*Q] (clamped to the
-    sequence: rows whose label is dropped get some id, never used)."""
-    prev = (positions - 1).clamp(0, tokens.shape[1] - 1)
-    return tokens.gather(1, prev).reshape(-1)
-
-
 def drafter_loss(drafter: nn.Module, hidden: Tensor, head: Tensor, blocks, tokens: Tensor,
                  train_cfg, row_pos: Optional[Tensor] = None) -> tuple[Tensor, Tensor, dict]:
     """hidden [B, Q, H] (the drafter's output), head [V, H] frozen, blocks (pipeline.masks.Blocks), tokens [B, S];
-    row_pos [B, Q]: the block positions within the row when they differ from blocks.positions (packed rows)."""
-    rows = hidden.reshape(-1, hidden.shape[-1])  # [B*Q, H]
-    labels, weights = blocks.labels.reshape(-1), blocks.weights.reshape(-1)
-    if not isinstance(drafter, DFlash2Drafter):
-        loss_sum, correct = chunked_weighted_ce(rows, head, labels, weights, train_cfg.loss_chunk_rows)
-        return loss_sum, correct, {}
-    a = drafter.arch
-    scaled = rows * a.output_multiplier if a.output_multiplier != 1.0 else rows
-    loss_sum, _, cand = chunked_weighted_ce_topk(scaled, head, labels, weights, a.selector_top_k,
-                                                 train_cfg.loss_chunk_rows, a.final_logit_softcapping)
-    alpha = train_cfg.selector_loss_alpha
-    # alpha 0: the selector is frozen at zero (it passes the unary ranking through); its metrics still count
-    with torch.no_grad() if alpha == 0 else contextlib.nullcontext():
-        sel_sum, correct, covered = selector_ce(drafter.candidate_selector, rows, head, cand, labels, weights,
-                                                predecessor_ids(tokens, blocks.positions if row_pos is None else row_pos),
-                                                multiplier=a.output_multiplier, softcap=a.final_logit_softcapping,
-                                                chunk_rows=train_cfg.loss_chunk_rows)
-    if alpha:
-        loss_sum = loss_sum + alpha * sel_sum
-    w = weights.sum().clamp(min=1e-6)
-    live = (labels >= 0) & (weights != 0)
-    extra = {"selector_loss": sel_sum.detach() / w, "topk_coverage": covered.sum() / live.sum().clamp(min=1)}
-    return loss_sum, correct, extra
+    row_pos [B, Q]: the block positions within the row when they differ from blocks.positions (packed rows).
+    The loss of the drafter's arch (pipeline/archs.py)."""
+    return spec_of(drafter).loss(drafter, hidden, head, blocks, tokens, train_cfg, row_pos)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.archs import drafter_from_arch_dict
 from pipeline.drafter import DFlashDrafter
-from pipeline.drafter2 import build_from_arch_dict
 from pipeline.export import export_drafter
 
 
@@ -28,7 +28,7 @@ def load_checkpoint_drafter(ckpt_path: str, device: str | torch.device = "cpu") 
     if meta is None:
         raise FileNotFoundError(f"{ckpt_path} is not a dflash training checkpoint (no 'dflash' metadata)")
     meta.setdefault("step", int(ckpt.get("global_step", 0)))  # checkpoints written before the key existed
-    drafter = build_from_arch_dict(meta["arch"])  # DFlash or DFlash 2, as recorded
+    drafter = drafter_from_arch_dict(meta["arch"])  # of the arch recorded (pipeline/archs.py)
     state = {k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     drafter.load_state_dict(state)
     return drafter.to(device).eval(), meta

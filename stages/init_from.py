@@ -12,7 +12,7 @@ Contract:
   block, so a fine-tune never changes it silently) and, for DFlash 2, its extra shape keys.
   Before that, the export's files are checked (`check_weights_file`): its checksums.sha256 when present (a
   flipped byte names the file) and model.safetensors' header and length (a truncated or damaged file), one line.
-- Which exports fit which drafter (`drafter.arch`):
+- Which exports fit which drafter (`drafter.arch`; each arch's `warm_start_from` in pipeline/archs.py):
     DFlash export   -> dflash:  every weight (strict);
     DFlash export   -> dflash2: the backbone (pipeline.train_step.warm_start: convolutions identity,
                                 selector fresh);
@@ -28,10 +28,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.archs import ARCHS, architectures, spec_for, spec_for_export
 from pipeline.config import Config, ConfigError
 
-DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
-_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# the shape keys an arch adds live in its export's dflash_config (with mask_token_id)
+_DFLASH_CONFIG_KEYS = ("mask_token_id", *(k for spec in ARCHS.values() for k in spec.config_keys))
 
 
 def read_export_config(path: str) -> dict:
@@ -46,9 +47,9 @@ def read_export_config(path: str) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"--init-from {path}: config.json is not readable JSON ({e})") from None
     archs = meta.get("architectures") or []
-    if DFLASH not in archs and DFLASH2 not in archs:
-        raise ConfigError(f"--init-from {path}: config.json names architectures {archs}, not {DFLASH} or {DFLASH2}: "
-                          "not a DFlash drafter export")
+    if not any(a in archs for a in architectures()):
+        raise ConfigError(f"--init-from {path}: config.json names architectures {archs}, not "
+                          f"{' or '.join(architectures())}: not a DFlash drafter export")
     return meta
 
 
@@ -56,7 +57,7 @@ def _export_value(meta: dict, key: str):
     d = meta.get("dflash_config") or {}
     if key == "target_layer_ids":
         return [int(i) for i in d.get("target_layer_ids", [])]
-    if key in ("mask_token_id", *_DFLASH2_KEYS):
+    if key in _DFLASH_CONFIG_KEYS:
         return d.get(key, meta.get(key))
     if key == "block_size":
         return int(d.get("block_size", meta.get("block_size", 16)))
@@ -87,24 +88,25 @@ def differences(cfg: Config, attrs: dict, layer_ids: list[int], meta: dict) -> l
     # the drafter side: the config can follow the export
     fields = ["num_hidden_layers", "block_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "mask_token_id", "layer_types", "sliding_window", "is_causal"]
-    if DFLASH2 in (meta.get("architectures") or []) and d.arch == "dflash2":
-        fields += list(_DFLASH2_KEYS)
+    own, theirs = spec_for(d.arch), spec_for_export(meta)
+    if theirs is own:
+        fields += list(own.config_keys)
     want_types = list(d.layer_types or ["full_attention"] * d.num_hidden_layers)
     for key in fields:
         ours = want_types if key == "layer_types" else getattr(d, key)
         if key == "sliding_window" and "sliding_attention" not in want_types:
             ours = None
-        theirs = _export_value(meta, key)
-        if theirs is not None and key in ("mask_token_id", *_DFLASH2_KEYS):
-            theirs = int(theirs)
-        if theirs != ours:
-            shown = json.dumps(theirs)
+        value = _export_value(meta, key)
+        if value is not None and key in _DFLASH_CONFIG_KEYS:
+            value = int(value)
+        if value != ours:
+            shown = json.dumps(value)
             diffs.append(f"drafter.{key}: the export has {shown}, the config {json.dumps(ours)}; set drafter.{key}: "
                          f"{shown} (--set drafter.{key}={shown.replace(' ', '')})")
-    if DFLASH2 in (meta.get("architectures") or []) and d.arch != "dflash2":
-        diffs.append("drafter.arch: the export is a DFlash 2 drafter (convolutions and a candidate selector), the "
-                     "config trains DFlash; set drafter.arch: dflash2 (--set drafter.arch=dflash2) to start from all "
-                     "of it")
+    if theirs is not own and theirs.name not in own.warm_start_from:
+        diffs.append(f"drafter.arch: the export is a {theirs.title} drafter ({theirs.adds}), the config trains "
+                     f"{own.title}; set drafter.arch: {theirs.name} (--set drafter.arch={theirs.name}) to start from "
+                     "all of it")
     return diffs
 
 

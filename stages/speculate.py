@@ -25,7 +25,7 @@ Contract (used by `dflash eval --online` and the tests):
   sampling=None) is the greedy path above, unchanged.
 - `draft_fn(context [p, L*H], p, last_id) -> list[int]` is pluggable (its `reset()`, if any, is called at the
   start of each sequence); `dflash_draft_fn` is the DFlash drafter (`draft_blocks`' math with the projected
-  context cached across steps; a DFlash 2 drafter picks its tokens with its selector walk, `select`), tests
+  context cached across steps; a DFlash 2 drafter picks its tokens with its selector walk: the drafter's `pick`), tests
   plug in oracles.
 """
 
@@ -258,10 +258,9 @@ class DFlashDraftFn:
                              is_causal=arch.is_causal)
         h = self.drafter(block_embeds, self.ctx, q_pos, ctx_pos, attend)[0, 1:]  # [bs-1, H]
         logits = h.to(self.head.dtype) @ self.head.t()  # [bs-1, V]
-        self.logits = None if hasattr(self.drafter, "select") else logits
-        if hasattr(self.drafter, "select"):  # DFlash 2: its selector walks the top-K from the verified token
-            return self.drafter.select(h[None], logits[None], ids[0, :1])[0].tolist()
-        return logits.argmax(-1).tolist()
+        self.logits = logits if self.drafter.draws_from_logits else None
+        # the argmax, or DFlash 2's selector walk through the top-K from the verified token
+        return self.drafter.pick(h[None], logits[None], ids[0, :1])[0].tolist()
 
 
 def dflash_draft_fn(drafter: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor) -> DFlashDraftFn:

@@ -194,7 +194,8 @@ def test_training_loss_equals_full_logits_reference():
     and autograd: base CE over transformed logits + alpha * selector CE, gradients into every parameter."""
     from types import SimpleNamespace
 
-    from pipeline.train_step import drafter_loss, predecessor_ids
+    from pipeline.loss import predecessor_ids
+    from pipeline.train_step import drafter_loss
 
     _, d2 = drafters(output_multiplier=0.8, final_logit_softcapping=4.0)
     d2 = randomise(d2.double(), scale=0.2)

@@ -80,6 +80,19 @@ def test_contract_names_shapes_and_config(tmp_path):
     assert meta["dflash_meta"] == {"store": "s"}
 
 
+def test_the_modeling_file_is_a_module_of_pipeline_copied_whole(tmp_path):
+    """modeling_dflash2.py is pipeline/modeling_dflash2.py (a real module, imported here as one), copied byte for byte
+    with what it imports, as DFlash's modeling_dflash.py is."""
+    import pipeline.modeling_dflash as m1
+    import pipeline.modeling_dflash2 as m2
+
+    assert issubclass(m2.DFlash2DraftModel, m1.DFlashDraftModel) and m2.DFlash2DraftModel.select is DFlash2Drafter.select
+    _, d2 = pair()
+    out = export_drafter(d2, None, tmp_path / "m", vocab_size=V, num_target_layers=8)
+    for name in ("modeling_dflash2.py", "drafter2.py", "modeling_dflash.py", "drafter.py", "masks.py", "target_cache.py"):
+        assert (out / name).read_bytes() == (ROOT / "pipeline" / name).read_bytes(), name
+
+
 def test_refusals(tmp_path):
     _, d2 = pair()
     with pytest.raises(ValueError, match="vocab_size"):

@@ -148,6 +148,8 @@ class StubDrafter(nn.Module):
 
     Hidden states are one-hot over the vocabulary; with lm_head = identity the argmax is the chosen token."""
 
+    pick = DFlashDrafter.pick  # the drafter's serving decision: DFlash's argmax
+
     def __init__(self, tokens: torch.Tensor, wrong: set, vocab: int, block_size: int):
         super().__init__()
         self.arch = DrafterArch(hidden_size=vocab, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from helpers_cli import TINY
+from pipeline.archs import drafter_from_arch_dict
 from pipeline.config import load_config
 from pipeline.drafter import DFlashDrafter, DrafterArch, draft_blocks
-from pipeline.drafter2 import DFlash2Arch, DFlash2Drafter, build_from_arch_dict
+from pipeline.drafter2 import DFlash2Arch, DFlash2Drafter
 from pipeline.export import export_drafter, hf_config_dict, load_exported
 from stages.init_from import differences
 
@@ -82,7 +83,7 @@ def test_the_key_is_read_from_config_and_export_and_bad_values_are_refused():
     # a training checkpoint records the arch as a dict and rebuilds it with the key (eval, export of a ckpt)
     for two in (False, True):
         d = _drafters(is_causal=False, two=two)
-        assert build_from_arch_dict(d.arch.to_dict()).arch.is_causal is False
+        assert drafter_from_arch_dict(d.arch.to_dict()).arch.is_causal is False
 
 
 @pytest.mark.parametrize("two", [False, True], ids=["dflash", "dflash2"])
