@@ -24,11 +24,9 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import PreTrainedModel, Qwen3Config
 
-from .drafter import DFlashDrafter, DrafterArch, RMSNorm
-from .masks import make_attend
+from .drafter import DFlashDrafter, DrafterArch, RMSNorm, draft_hidden
 from .target_cache import RollbackCache
 
 
@@ -58,14 +56,11 @@ class DFlashDraftModel(PreTrainedModel):
     drafter_forward = DFlashDrafter.forward  # (block_embeds, ctx, q_pos, ctx_pos, attend) -> [B, Q, H]
 
     def draft_hidden(self, noise_embedding, ctx, q_pos, ctx_pos):
-        """Hidden [B, Q, H] of one block at q_pos [B, Q] after the projected context ctx [B, S, H] at ctx_pos."""
-        B, Q, _ = noise_embedding.shape
-        S = ctx.shape[1]  # the context is contiguous up to the block: all of it lies before the anchor
-        anchors = torch.full((B, 1), S, dtype=torch.long, device=noise_embedding.device)
-        attend = make_attend("sdpa", anchors=anchors, block_size=Q, ctx_len=S,
-                             layer_types=self.arch.layer_types, sliding_window=self.arch.sliding_window,
-                             is_causal=self.arch.is_causal)
-        return self.drafter_forward(noise_embedding, ctx.to(noise_embedding.dtype), q_pos, ctx_pos, attend)
+        """Hidden [B, Q, H] of one block at q_pos [B, Q] after the projected context ctx [B, S, H] at ctx_pos
+        (the context is contiguous up to the block: all of it lies before the anchor). drafter.py's
+        `draft_hidden`, the drafting sequence training and dflash's eval run."""
+        return draft_hidden(self, noise_embedding, ctx, q_pos, ctx_pos, dtype=noise_embedding.dtype,
+                            forward=self.drafter_forward)
 
     def forward(self, position_ids=None, attention_mask=None, noise_embedding=None, target_hidden=None,
                 past_key_values=None, use_cache: bool = False, **kwargs):
@@ -131,7 +126,8 @@ class DFlashDraftModel(PreTrainedModel):
                 block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=ids.device)
                 block[0, 0] = new[-1]
                 q_pos = start + torch.arange(bs, device=ids.device)[None]
-                hidden = self.draft_hidden(F.embedding(block, embed).to(self.fc.weight.dtype), ctx, q_pos, ctx_pos)
+                hidden = draft_hidden(self, block, ctx, q_pos, ctx_pos, embed=embed, dtype=self.fc.weight.dtype,
+                                      forward=self.drafter_forward)
                 d_logits = head(hidden[0, 1:q].to(head.weight.dtype)).float()
                 draft = self._pick(d_logits, temperature, top_p, top_k)
                 out = cache.forward(torch.tensor([[new[-1]] + draft], device=ids.device), output_hidden_states=True)

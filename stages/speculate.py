@@ -24,9 +24,9 @@ Contract (used by `dflash eval --online` and the tests):
   (stages/sampling.py `verify`): lossless in distribution, not token for token. Temperature 0 (or
   sampling=None) is the greedy path above, unchanged.
 - `draft_fn(context [p, L*H], p, last_id) -> list[int]` is pluggable (its `reset()`, if any, is called at the
-  start of each sequence); `dflash_draft_fn` is the DFlash drafter (`draft_blocks`' math with the projected
-  context cached across steps; a DFlash 2 drafter picks its tokens with its selector walk, `select`), tests
-  plug in oracles.
+  start of each sequence); `dflash_draft_fn` is the DFlash drafter (`pipeline.drafter.draft_hidden`, as
+  `draft_blocks` runs it, with the projected context cached across steps; a DFlash 2 drafter picks its
+  tokens with its selector walk, `select`), tests plug in oracles.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.drafter import draft_hidden
 from pipeline.encoding import decode, encode
 from pipeline.target import FeatureCapture
 from stages.sampling import Sampling, draw, verify
@@ -238,8 +238,6 @@ class DFlashDraftFn:
 
     @torch.no_grad()
     def __call__(self, context: Tensor, pos: int, last_id: int) -> list:
-        from pipeline.masks import make_attend
-
         arch, bs, dev = self.arch, self.arch.block_size, context.device
         have = 0 if self.ctx is None else self.ctx.shape[1]
         if context.shape[0] != pos or pos < have:
@@ -250,13 +248,10 @@ class DFlashDraftFn:
             self.ctx = new if self.ctx is None else torch.cat([self.ctx, new], dim=1)
         ids = torch.full((1, bs), arch.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0] = last_id
-        block_embeds = F.embedding(ids, self.embed).to(self.dtype)  # [1, bs, H]
         q_pos = pos + torch.arange(bs, device=dev).view(1, bs)
         ctx_pos = torch.arange(pos, device=dev).view(1, pos)
-        attend = make_attend("sdpa", anchors=torch.tensor([[pos]], device=dev), block_size=bs, ctx_len=pos,
-                             layer_types=arch.layer_types, sliding_window=arch.sliding_window,
-                             is_causal=arch.is_causal)
-        h = self.drafter(block_embeds, self.ctx, q_pos, ctx_pos, attend)[0, 1:]  # [bs-1, H]
+        h = draft_hidden(self.drafter, ids, self.ctx, q_pos, ctx_pos, embed=self.embed,
+                         dtype=self.dtype)[0, 1:]  # [bs-1, H]: one block after the pos context positions
         logits = h.to(self.head.dtype) @ self.head.t()  # [bs-1, V]
         self.logits = None if hasattr(self.drafter, "select") else logits
         if hasattr(self.drafter, "select"):  # DFlash 2: its selector walks the top-K from the verified token
