@@ -38,9 +38,10 @@ def contract_keys(num_layers: int) -> list[str]:
 
 
 # transformers wrapper (trust_remote_code) with the serving contract's and z-lab's calling conventions and
-# spec_generate; it imports drafter.py, masks.py and target_cache.py, copied beside it
+# spec_generate; it imports drafter.py, masks.py, acceptance.py (spec_generate's verify rules) and
+# target_cache.py, copied beside it (checksums.sha256 lists every file of the directory)
 MODELING_FILE = (_SRC / "modeling_dflash.py").read_text()
-MODELING_HELPERS = ("drafter.py", "masks.py", "target_cache.py")
+MODELING_HELPERS = ("drafter.py", "masks.py", "acceptance.py", "target_cache.py")
 
 
 def _check(name: str, given, expected) -> None:

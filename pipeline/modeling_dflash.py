@@ -1,5 +1,6 @@
 """transformers wrapper of the dflash drafter (copied into every export as modeling_dflash.py; the math is in
-drafter.py and masks.py, copied beside it; target_cache.py rolls back the target's cache, hybrid ones included).
+drafter.py and masks.py, copied beside it; acceptance.py holds the verify rules spec_generate applies, the same
+as dflash's online eval; target_cache.py rolls back the target's cache, hybrid ones included).
 
     model = AutoModel.from_pretrained(export_dir, trust_remote_code=True)
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
+from .acceptance import draw, greedy_accept, sampling_probs, verify
 from .drafter import DFlashDrafter, DrafterArch, RMSNorm, draft_hidden
 from .target_cache import RollbackCache
 
@@ -131,7 +133,12 @@ class DFlashDraftModel(PreTrainedModel):
                 d_logits = head(hidden[0, 1:q].to(head.weight.dtype)).float()
                 draft = self._pick(d_logits, temperature, top_p, top_k)
                 out = cache.forward(torch.tensor([[new[-1]] + draft], device=ids.device), output_hidden_states=True)
-                n, bonus = self._accept(draft, d_logits, out.logits[0].float(), temperature, top_p, top_k)
+                t_logits = out.logits[0].float()
+                if temperature <= 0:  # the longest prefix equal to the target's argmax, then its own token
+                    n, bonus = greedy_accept(draft, t_logits)
+                else:  # the rejection rule (torch's default generator): lossless in distribution
+                    n, bonus = verify(draft, sampling_probs(d_logits, temperature, top_p, top_k),
+                                      sampling_probs(t_logits, temperature, top_p, top_k))
                 produced = []
                 for t in draft[:n] + [bonus]:
                     produced.append(t)
@@ -156,38 +163,8 @@ class DFlashDraftModel(PreTrainedModel):
         return torch.cat([hidden_states[k + 1] for k in self.target_layer_ids], dim=-1)
 
     @staticmethod
-    def _probs(logits, temperature, top_p, top_k):
-        scores = logits / temperature
-        if 0 < top_k < scores.shape[-1]:
-            kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
-
-    def _pick(self, logits, temperature, top_p, top_k) -> list:
+    def _pick(logits, temperature, top_p, top_k) -> list:
+        """logits [n, V] -> n tokens: the argmax at temperature 0, else draws from the sampling distribution."""
         if temperature <= 0:
             return logits.argmax(-1).tolist()
-        return torch.multinomial(self._probs(logits, temperature, top_p, top_k), 1)[:, 0].tolist()
-
-    def _accept(self, draft, d_logits, t_logits, temperature, top_p, top_k):
-        """(accepted drafts, the target's next token). Greedy: the longest prefix equal to the target's argmax.
-        Sampling: draft i is kept with probability min(1, p/q); the first rejection resamples from (p - q)+."""
-        if temperature <= 0:
-            greedy = t_logits.argmax(-1).tolist()
-            n = 0
-            while n < len(draft) and draft[n] == greedy[n]:
-                n += 1
-            return n, greedy[n]
-        p = self._probs(t_logits, temperature, top_p, top_k)
-        q = self._probs(d_logits, temperature, top_p, top_k)
-        for i, t in enumerate(draft):
-            if torch.rand(()) * q[i, t] >= p[i, t]:
-                rest = (p[i] - q[i]).clamp_min(0)
-                rest = rest / rest.sum() if rest.sum() > 0 else p[i]
-                return i, int(torch.multinomial(rest, 1))
-        return len(draft), int(torch.multinomial(p[len(draft)], 1))
+        return draw(sampling_probs(logits, temperature, top_p, top_k)).tolist()
