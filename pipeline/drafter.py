@@ -13,7 +13,11 @@
           Which key a query may see is the caller's business: it passes `attend(q, k, v, layer_type)`
           (SDPA with a dense mask on CPU, compiled flex_attention with a BlockMask on CUDA; see masks.py).
 
-No embedding and no lm_head here: both belong to the target and stay frozen. Parameter names are the export
+`draft_hidden` (below the model) is the one drafting sequence: block ids -> the target's embedding -> attend ->
+the layers -> norm; training, the offline and online eval and the exported model all call it.
+
+No embedding and no lm_head parameters here: both belong to the target and stay frozen (draft_hidden is handed
+the embedding). Parameter names are the export
 contract (`layers.{i}.self_attn.q_proj.weight`, ..., `fc.weight`, `hidden_norm.weight`, `norm.weight`),
 so `state_dict()` is the exported checkpoint. Torch-only (plus the sibling masks.py): this file is copied
 next to the exported modeling file, so it must not import the rest of the project or transformers.
