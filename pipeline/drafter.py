@@ -13,7 +13,11 @@
           Which key a query may see is the caller's business: it passes `attend(q, k, v, layer_type)`
           (SDPA with a dense mask on CPU, compiled flex_attention with a BlockMask on CUDA; see masks.py).
 
-No embedding and no lm_head here: both belong to the target and stay frozen. Parameter names are the export
+`draft_hidden` (below the model) is the one drafting sequence: block ids -> the target's embedding -> attend ->
+the layers -> norm; training, the offline and online eval and the exported model all call it.
+
+No embedding and no lm_head parameters here: both belong to the target and stay frozen (draft_hidden is handed
+the embedding). Parameter names are the export
 contract (`layers.{i}.self_attn.q_proj.weight`, ..., `fc.weight`, `hidden_norm.weight`, `norm.weight`),
 so `state_dict()` is the exported checkpoint. Torch-only (plus the sibling masks.py): this file is copied
 next to the exported modeling file, so it must not import the rest of the project or transformers.
@@ -289,6 +293,58 @@ class DFlashDrafter(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# THE drafting sequence: training, validation, the offline eval, speculation and the export all run it
+# ----------------------------------------------------------------------------------------------------------
+
+
+def draft_hidden(
+    drafter: nn.Module,
+    block: Tensor,
+    ctx: Tensor,
+    q_pos: Tensor,
+    ctx_pos: Tensor,
+    anchors: Optional[Tensor] = None,
+    *,
+    embed: Optional[Tensor] = None,
+    dtype: Optional[torch.dtype] = None,
+    kind: str = "sdpa",
+    seq_lens: Optional[Tensor] = None,
+    doc_ids: Optional[Tensor] = None,
+    forward: Optional[Callable] = None,
+) -> Tensor:
+    """Block tokens and the projected context -> the drafter's final-normed hidden [B, Q, H]:
+
+        block [B, Q] ids  --F.embedding(block, embed)-->  block_embeds [B, Q, H]   (without embed: block IS the
+                                                          embeddings [B, Q, H], z-lab's noise_embedding)
+        dtype given (inference, in the drafter's dtype): block_embeds and ctx cast to it; None (training):
+                                                          nothing cast, autocast decides
+        attend = make_attend(kind, anchors [B, A], ...)  the A blocks of each row (Q = A * block size), block a
+                                                          sees the context positions < anchors[:, a] (-1: a padded
+                                                          anchor); anchors None: one block after all of ctx (S)
+        -> n x decoder layer -> norm                      [B, Q, H]   (the caller applies the frozen lm_head)
+
+    ctx [B, S, H] = drafter.project_context(features [B, S, L*H]): decoders keep it projected across steps and
+    extend it. q_pos [B, Q], ctx_pos [B, S]: RoPE positions. seq_lens [B] / doc_ids [B, S]: training's padded
+    and packed rows (masks.make_attend). forward: what runs the layers and the norm, called as
+    forward(block_embeds, ctx, q_pos, ctx_pos, attend) (default: the drafter; training passes its compiled
+    wrapper, the exported transformers model `DFlashDrafter.forward` bound to itself).
+    """
+    arch = drafter.arch
+    B, Q = block.shape[0], block.shape[1]
+    S = ctx.shape[1]
+    block_embeds = block if embed is None else F.embedding(block, embed)  # [B, Q, H]
+    if dtype is not None:
+        block_embeds, ctx = block_embeds.to(dtype), ctx.to(dtype)
+    if anchors is None:
+        anchors = torch.full((B, 1), S, dtype=torch.long, device=block_embeds.device)  # [B, 1]
+    attend = make_attend(
+        kind, anchors=anchors, block_size=Q // anchors.shape[1], ctx_len=S, layer_types=arch.layer_types,
+        sliding_window=arch.sliding_window, seq_lens=seq_lens, is_causal=arch.is_causal, doc_ids=doc_ids,
+    )
+    return (forward or drafter)(block_embeds, ctx, q_pos, ctx_pos, attend)  # [B, Q, H]
+
+
+# ----------------------------------------------------------------------------------------------------------
 # inference helper (evaluation): draft blocks after given anchors of one sequence
 # ----------------------------------------------------------------------------------------------------------
 
@@ -330,13 +386,9 @@ def draft_blocks(
     ids[:, 0] = anchor_ids.to(dev, torch.long)
     q_pos = (anchors.view(A, 1) + k).view(1, A * bs)  # [1, A*bs]
     ctx_pos = torch.arange(S, device=dev).view(1, S)
-    block_embeds = F.embedding(ids.view(1, A * bs), embed_weight).to(dtype)  # [1, A*bs, H]
     ctx = drafter.project_context(features.to(dtype).reshape(1, S, features.shape[-1]))  # [1, S, H]
-    attend = make_attend(
-        "sdpa", anchors=anchors, block_size=bs, ctx_len=S,
-        layer_types=arch.layer_types, sliding_window=arch.sliding_window, is_causal=arch.is_causal,
-    )
-    h = drafter(block_embeds, ctx, q_pos, ctx_pos, attend).view(A, bs, -1)[:, 1:]  # [A, bs-1, H]
+    h = draft_hidden(drafter, ids.view(1, A * bs), ctx, q_pos, ctx_pos, anchors, embed=embed_weight,
+                     dtype=dtype).view(A, bs, -1)[:, 1:]  # [A, bs-1, H]
     logits = (h.to(lm_head_weight.dtype) @ lm_head_weight.t()).float()  # [A, bs-1, V]
     draft = drafter.pick(h, logits, ids[:, 0])  # the argmax, or DFlash 2's selector walk from the anchor token
     return (draft, logits) if return_logits else draft

@@ -11,8 +11,10 @@
       modeling_dflash.py   pipeline/modeling_dflash.py: transformers PreTrainedModel wrapper (trust_remote_code) with
                            our forward and z-lab's (forward(position_ids, noise_embedding=, target_hidden=,
                            past_key_values=), spec_generate), importing:
-      drafter.py, masks.py, target_cache.py   verbatim copies of pipeline/drafter.py, masks.py (the same math)
-                           and target_cache.py (spec_generate's target cache rollback, hybrid targets included)
+      drafter.py, masks.py, acceptance.py, target_cache.py   verbatim copies of pipeline/drafter.py, masks.py
+                           (the same math), acceptance.py (spec_generate's greedy and rejection rules, the
+                           online eval's) and target_cache.py (spec_generate's target cache rollback, hybrid
+                           targets included)
       dflash_meta.json     optional provenance (`extra_metadata`), read by nobody but us
       checksums.sha256     the sha256 of every other file, in `sha256sum -c` format (`CHECKSUMS`); `load_exported`
                            (eval) and `--init-from` verify it when present (`verify_checksums`): a flipped byte

@@ -13,7 +13,8 @@
                            .weight [r, H], predecessor_codebook [V, r], successor_codebook [V, r]}
       modeling_dflash2.py  pipeline/modeling_dflash2.py: the transformers wrapper (trust_remote_code), DFlash's
                            (modeling_dflash.py, copied alongside) with the DFlash 2 modules and `select` (the walk)
-      drafter.py, drafter2.py, masks.py, target_cache.py   verbatim copies (the same math as training)
+      drafter.py, drafter2.py, masks.py, acceptance.py, target_cache.py   verbatim copies (the same math as
+                           training; acceptance.py: spec_generate's verify rules)
 Contract sources: see pipeline/drafter2.py's docstring (z-lab's checkpoint header and config, vLLM PR #52816,
 SGLang PR #35371's loader names, SpecForge PR #772's export).
 """

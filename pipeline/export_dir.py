@@ -46,8 +46,9 @@ def contract_keys(num_layers: int) -> list[str]:
 
 
 # the transformers wrapper (trust_remote_code) with the serving contract's and z-lab's calling conventions and
-# spec_generate (pipeline/modeling_dflash.py), and what it imports, copied beside it; DFlash 2 adds its own
-MODELING_FILES = ("modeling_dflash.py", "drafter.py", "masks.py", "target_cache.py")
+# spec_generate (pipeline/modeling_dflash.py), and what it imports (acceptance.py: spec_generate's verify rules),
+# copied beside it; DFlash 2 adds its own (checksums.sha256 lists every file of the directory)
+MODELING_FILES = ("modeling_dflash.py", "drafter.py", "masks.py", "acceptance.py", "target_cache.py")
 
 
 def _check(name: str, given, expected) -> None:

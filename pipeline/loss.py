@@ -236,22 +236,3 @@ def normalised_loss(loss_sum: Tensor, weight_sum_global: Tensor, world_size: int
     sum_over_window_and_ranks(loss_sum) / W_window (stages/train_task.py: training_step).
     """
     return loss_sum / weight_sum_global.detach().to(torch.float32).clamp_min(eps) * world_size
-
-
-@torch.no_grad()
-def slot_counts(correct: Tensor, labels: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """Per-slot (hits, supervised) counts over blocks: correct/labels [B, A*bs] -> two [bs-1] fp32 tensors.
-
-    Sum them over ranks and steps, then acc_k = hits_k / supervised_k, and tau = 1 + sum_k prod_{i<=k} acc_i.
-    """
-    lab = labels.reshape(-1, block_size)[:, 1:]  # [blocks, bs-1]
-    hit = correct.reshape(-1, block_size)[:, 1:] & (lab != IGNORE_INDEX)
-    return hit.float().sum(0), (lab != IGNORE_INDEX).float().sum(0)
-
-
-def acceptance_length(slot_acc) -> float:
-    """tau = 1 + sum_k prod_{i<=k} acc_i (expected accepted drafts per block plus the target's own token), from
-    the per-slot accuracies acc [bs-1] (slots 1..bs-1; a tensor, array or list; clamped to [0, 1]). The one tau
-    from slot accuracies: training's train/tau and val/tau and eval's tau_from_slot_acc."""
-    acc = torch.as_tensor(slot_acc, dtype=torch.float64).clamp(0, 1)
-    return float(1.0 + torch.cumprod(acc, 0).sum())

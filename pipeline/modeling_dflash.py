@@ -1,5 +1,6 @@
 """transformers wrapper of the dflash drafter (copied into every export as modeling_dflash.py; the math is in
-drafter.py and masks.py, copied beside it; target_cache.py rolls back the target's cache, hybrid ones included).
+drafter.py and masks.py, copied beside it; acceptance.py holds the verify rules spec_generate applies, the same
+as dflash's online eval; target_cache.py rolls back the target's cache, hybrid ones included).
 
     model = AutoModel.from_pretrained(export_dir, trust_remote_code=True)
 
@@ -24,11 +25,10 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import PreTrainedModel, Qwen3Config
 
-from .drafter import DFlashDrafter, DrafterArch, RMSNorm
-from .masks import make_attend
+from .acceptance import draw, greedy_accept, sampling_probs, verify
+from .drafter import DFlashDrafter, DrafterArch, RMSNorm, draft_hidden
 from .target_cache import RollbackCache
 
 
@@ -58,14 +58,11 @@ class DFlashDraftModel(PreTrainedModel):
     drafter_forward = DFlashDrafter.forward  # (block_embeds, ctx, q_pos, ctx_pos, attend) -> [B, Q, H]
 
     def draft_hidden(self, noise_embedding, ctx, q_pos, ctx_pos):
-        """Hidden [B, Q, H] of one block at q_pos [B, Q] after the projected context ctx [B, S, H] at ctx_pos."""
-        B, Q, _ = noise_embedding.shape
-        S = ctx.shape[1]  # the context is contiguous up to the block: all of it lies before the anchor
-        anchors = torch.full((B, 1), S, dtype=torch.long, device=noise_embedding.device)
-        attend = make_attend("sdpa", anchors=anchors, block_size=Q, ctx_len=S,
-                             layer_types=self.arch.layer_types, sliding_window=self.arch.sliding_window,
-                             is_causal=self.arch.is_causal)
-        return self.drafter_forward(noise_embedding, ctx.to(noise_embedding.dtype), q_pos, ctx_pos, attend)
+        """Hidden [B, Q, H] of one block at q_pos [B, Q] after the projected context ctx [B, S, H] at ctx_pos
+        (the context is contiguous up to the block: all of it lies before the anchor). drafter.py's
+        `draft_hidden`, the drafting sequence training and dflash's eval run."""
+        return draft_hidden(self, noise_embedding, ctx, q_pos, ctx_pos, dtype=noise_embedding.dtype,
+                            forward=self.drafter_forward)
 
     def forward(self, position_ids=None, attention_mask=None, noise_embedding=None, target_hidden=None,
                 past_key_values=None, use_cache: bool = False, **kwargs):
@@ -131,11 +128,17 @@ class DFlashDraftModel(PreTrainedModel):
                 block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=ids.device)
                 block[0, 0] = new[-1]
                 q_pos = start + torch.arange(bs, device=ids.device)[None]
-                hidden = self.draft_hidden(F.embedding(block, embed).to(self.fc.weight.dtype), ctx, q_pos, ctx_pos)
+                hidden = draft_hidden(self, block, ctx, q_pos, ctx_pos, embed=embed, dtype=self.fc.weight.dtype,
+                                      forward=self.drafter_forward)
                 d_logits = head(hidden[0, 1:q].to(head.weight.dtype)).float()
                 draft = self._pick(d_logits, temperature, top_p, top_k)
                 out = cache.forward(torch.tensor([[new[-1]] + draft], device=ids.device), output_hidden_states=True)
-                n, bonus = self._accept(draft, d_logits, out.logits[0].float(), temperature, top_p, top_k)
+                t_logits = out.logits[0].float()
+                if temperature <= 0:  # the longest prefix equal to the target's argmax, then its own token
+                    n, bonus = greedy_accept(draft, t_logits)
+                else:  # the rejection rule (torch's default generator): lossless in distribution
+                    n, bonus = verify(draft, sampling_probs(d_logits, temperature, top_p, top_k),
+                                      sampling_probs(t_logits, temperature, top_p, top_k))
                 produced = []
                 for t in draft[:n] + [bonus]:
                     produced.append(t)
@@ -160,38 +163,8 @@ class DFlashDraftModel(PreTrainedModel):
         return torch.cat([hidden_states[k + 1] for k in self.target_layer_ids], dim=-1)
 
     @staticmethod
-    def _probs(logits, temperature, top_p, top_k):
-        scores = logits / temperature
-        if 0 < top_k < scores.shape[-1]:
-            kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
-
-    def _pick(self, logits, temperature, top_p, top_k) -> list:
+    def _pick(logits, temperature, top_p, top_k) -> list:
+        """logits [n, V] -> n tokens: the argmax at temperature 0, else draws from the sampling distribution."""
         if temperature <= 0:
             return logits.argmax(-1).tolist()
-        return torch.multinomial(self._probs(logits, temperature, top_p, top_k), 1)[:, 0].tolist()
-
-    def _accept(self, draft, d_logits, t_logits, temperature, top_p, top_k):
-        """(accepted drafts, the target's next token). Greedy: the longest prefix equal to the target's argmax.
-        Sampling: draft i is kept with probability min(1, p/q); the first rejection resamples from (p - q)+."""
-        if temperature <= 0:
-            greedy = t_logits.argmax(-1).tolist()
-            n = 0
-            while n < len(draft) and draft[n] == greedy[n]:
-                n += 1
-            return n, greedy[n]
-        p = self._probs(t_logits, temperature, top_p, top_k)
-        q = self._probs(d_logits, temperature, top_p, top_k)
-        for i, t in enumerate(draft):
-            if torch.rand(()) * q[i, t] >= p[i, t]:
-                rest = (p[i] - q[i]).clamp_min(0)
-                rest = rest / rest.sum() if rest.sum() > 0 else p[i]
-                return i, int(torch.multinomial(rest, 1))
-        return len(draft), int(torch.multinomial(p[len(draft)], 1))
+        return draw(sampling_probs(logits, temperature, top_p, top_k)).tolist()

@@ -3,9 +3,10 @@
 Contract (stages/train_task.py, bench/train_bench.py and bench/long_bench.py call these and nothing else of it):
 - `step_loss(drafter, tokens, loss_mask, anchors, seq_lens, feats, embed, head, cfg, kind)` -> (loss_sum,
   correct, blocks, extra): THE training forward, a pure function of the batch: blocks from the anchors
-  (pipeline.masks.build_blocks), the attention of `kind` (flex on CUDA, sdpa on CPU), the drafter, then
-  `drafter_loss`. Training and validation (stages/train_task.py) and the step benches run this one function;
-  the caller normalises loss_sum (by the weight sum, over all ranks) and steps the optimizer.
+  (pipeline.masks.build_blocks), the drafting sequence (pipeline.drafter.draft_hidden: embedding, the attention
+  of `kind` (flex on CUDA, sdpa on CPU), the drafter's layers and norm), then `drafter_loss`. Training and
+  validation (stages/train_task.py) and the step benches run this one function; the caller normalises
+  loss_sum (by the weight sum, over all ranks) and steps the optimizer.
 - `build_drafter(cfg, layer_ids, vocab_size)` -> the drafter of cfg.drafter.arch, initialised from the current
   torch seed (a DFlash 2 backbone draws exactly what a DFlash drafter would: same seed, same backbone), then,
   if drafter.init_from names a trained DFlash export (ours or a published one), its backbone weights are
@@ -30,13 +31,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.archs import spec_for, spec_for_export, spec_of
 from pipeline.config import Config, ConfigError
 from pipeline.drafter import DFlashDrafter
-from pipeline.masks import Blocks, build_blocks, doc_starts, make_attend
+from pipeline.drafter import draft_hidden  # the drafting sequence (training, eval, speculation, export)
+from pipeline.masks import Blocks, build_blocks, doc_starts
 
 
 def build_drafter(cfg: Config, layer_ids: list[int], vocab_size: int) -> DFlashDrafter:
@@ -118,15 +119,12 @@ def step_loss(drafter: nn.Module, tokens: Tensor, loss_mask: Tensor, anchors: Te
     bs = drafter.arch.block_size
     blocks = build_blocks(tokens, loss_mask, anchors, bs, cfg.drafter.mask_token_id, cfg.train.gamma,
                           doc_ids)  # [B, Q] each
-    attend = make_attend(kind, anchors=anchors, block_size=bs, ctx_len=S, layer_types=drafter.arch.layer_types,
-                         sliding_window=drafter.arch.sliding_window, seq_lens=seq_lens,
-                         is_causal=drafter.arch.is_causal, doc_ids=doc_ids)
     ctx = drafter.project_context(feats)  # [B, S, H]
-    block_embeds = F.embedding(blocks.input_ids, embed)  # [B, Q, H]
     ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)  # [B, S]
     if doc_ids is not None:  # packed: RoPE positions count from each document's start
         ctx_pos = ctx_pos - doc_starts(doc_ids.to(tokens.device))
-    hidden = (model or drafter)(block_embeds, ctx, blocks.positions, ctx_pos, attend)  # [B, Q, H]
+    hidden = draft_hidden(drafter, blocks.input_ids, ctx, blocks.positions, ctx_pos, anchors, embed=embed,
+                          kind=kind, seq_lens=seq_lens, doc_ids=doc_ids, forward=model)  # [B, Q, H]
     row_pos = None  # packed: block positions within the row (predecessor tokens), [B, Q]
     if doc_ids is not None:
         row_pos = blocks.positions + doc_starts(doc_ids.to(tokens.device)).gather(

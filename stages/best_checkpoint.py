@@ -27,10 +27,10 @@ from typing import Optional
 
 import lightning as L
 
+from pipeline.acceptance import VAL_TAU as TAU, checkpoint_val_tau
 from pipeline.config import ConfigError
 
 BEST_RE = re.compile(r"^best-step(\d+)\.ckpt$")
-TAU = "val/tau"
 
 
 def best_name(step: int) -> str:
@@ -133,8 +133,7 @@ class Choice:
 
 def _tau_at(info: dict) -> Optional[float]:
     """The checkpoint's own val tau: only when its latest validation ran at its step."""
-    val = info["val"]
-    return float(val[TAU]) if TAU in val and int(val.get("step", -1)) == info["step"] else None
+    return checkpoint_val_tau(info["val"], info["step"])
 
 
 def choose_checkpoint(ckpt_dir: Path, which: str = "best", last_tau: Optional[float] = None) -> Choice:

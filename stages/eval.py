@@ -42,10 +42,10 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import store as st
+from pipeline.acceptance import AcceptanceStats, acceptance_lengths, checkpoint_val_tau, histogram, mean_length
 from pipeline.config import Config, ConfigError, config_from_dict, load_config, parse_override
 from pipeline.drafter import draft_blocks
 from pipeline.encoding import decode, from_storage, part_names
-from pipeline.loss import acceptance_length
 from pipeline.masks import anchor_candidates
 from stages.eval_plots import read_metrics, write_plots
 from stages.eval_online import run_online
@@ -105,9 +105,8 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
         drafter, meta = load_checkpoint_drafter(str(p), device)
         drafter = drafter.to(dtype)
         run_dir = p.parent.parent if p.parent.name == "checkpoints" and _looks_like_run(p.parent.parent) else None
-        val = meta.get("val") or {}
         origin = {"checkpoint": str(p.resolve()), "step": meta["step"], "selected": checkpoint_kind(p),
-                  "val_tau": val.get("val/tau") if val.get("step") == meta["step"] else None}
+                  "val_tau": checkpoint_val_tau(meta.get("val"), meta["step"])}
         return drafter, DrafterSource(str(p), "checkpoint", run_dir, meta.get("store"), meta.get("config"),
                                       meta.get("encoding"), origin)
     raise FileNotFoundError(f"drafter {path} does not exist: pass an exported directory (RUN/export) or a "
@@ -148,38 +147,6 @@ def select_anchors(loss_mask: Tensor, max_anchors: int) -> Tensor:
         idx = torch.linspace(0, cand.numel() - 1, max_anchors).round().long().unique()
         cand = cand[idx]
     return cand
-
-
-class AcceptanceStats:
-    """Accumulates acceptance lengths and per-slot hits over drafted blocks of size bs."""
-
-    def __init__(self, block_size: int):
-        self.bs = block_size
-        self.hist = np.zeros(block_size + 1, dtype=np.int64)  # index = acceptance length (1..bs)
-        self.hits = np.zeros(block_size, dtype=np.int64)  # index k = slot k (1..bs-1)
-        self.counts = np.zeros(block_size, dtype=np.int64)
-
-    def add(self, draft: Tensor, labels: Tensor, valid: Tensor) -> Tensor:
-        """draft/labels/valid [A, bs-1] -> acceptance lengths [A] (1 + leading valid matches)."""
-        match = (draft == labels) & valid
-        acc_len = 1 + torch.cumprod(match.long(), dim=1).sum(dim=1)
-        self.hist += np.bincount(acc_len.numpy(), minlength=self.bs + 1)[: self.bs + 1]
-        self.hits[1:] += match.sum(0).numpy()
-        self.counts[1:] += valid.sum(0).numpy()
-        return acc_len
-
-    def summary(self) -> dict:
-        n = int(self.hist.sum())
-        lengths = np.arange(self.bs + 1)
-        acc = (self.hits[1:] / np.maximum(self.counts[1:], 1)).astype(float)
-        return {
-            "blocks": n,
-            "tau": float((self.hist * lengths).sum() / max(n, 1)),
-            "tau_from_slot_acc": acceptance_length(acc),
-            "slot_accuracy": [round(float(a), 6) for a in acc],  # slots 1..bs-1
-            "slot_labelled": [int(c) for c in self.counts[1:]],
-            "acceptance_histogram": {str(k): int(self.hist[k]) for k in range(1, self.bs + 1)},
-        }
 
 
 DraftFn = Callable[..., Tensor]
@@ -244,8 +211,7 @@ def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tens
             pos = a[:, None] + k  # [A, bs-1]
             pos_c = pos.clamp(max=S - 1)
             labels, valid = tokens[pos_c], (pos < S) & mask[pos_c]
-            match = (d == labels) & valid
-            acc_at.update(zip(a.tolist(), (1 + torch.cumprod(match.long(), 1).sum(1)).tolist()))
+            acc_at.update(zip(a.tolist(), acceptance_lengths(d, labels, valid).tolist()))
             if pick.any():
                 stats.add(d[pick], labels[pick], valid[pick])
         if walk:
@@ -253,12 +219,11 @@ def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tens
     out = stats.summary()
     out["samples"] = n_samples
     if walk:
-        hist = np.bincount(np.asarray(walk_steps, dtype=np.int64), minlength=bs + 1)[: bs + 1]
         out["serving_walk"] = {
-            "tau": float(sum(walk_steps) / max(len(walk_steps), 1)),
+            "tau": mean_length(walk_steps),
             "steps": len(walk_steps),
             "tokens": int(sum(walk_steps)),
-            "acceptance_histogram": {str(i): int(hist[i]) for i in range(1, bs + 1)},
+            "acceptance_histogram": histogram(walk_steps, bs),
         }
     return out
 

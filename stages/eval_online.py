@@ -12,7 +12,7 @@ A hybrid target's kernels are named in one line before loading (pipeline/kernels
 in one after: dflash's fast forward where it applies (`eval.fast_forward`, pipeline/fast_forward.py), else
 transformers', with the reason.
 At eval.temperature > 0 both decoders sample (eval.top_p, eval.seed; each prompt's draws seeded from its
-index) and the speculative one verifies drafts with the lossless rejection rule (stages/sampling.py), as
+index) and the speculative one verifies drafts with the lossless rejection rule (pipeline/acceptance.py), as
 serving does: outputs then differ from the baseline's by chance, so the token-for-token check is replaced by
 the rule's distribution guarantee (tested in tests/test_sampling_eval.py); tau is tokens per verify step.
 """
@@ -23,10 +23,10 @@ import json
 import sys
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
+from pipeline.acceptance import histogram, mean_length
 from pipeline.config import Config
 from pipeline.errors import UserError
 
@@ -220,9 +220,8 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
             mismatches.append({"sample_id": sid, "first_difference": first, "greedy": g.tokens, "speculative": s.tokens,
                                "logit_margin": _margin(model, ids + g.tokens[:first], g.tokens, s.tokens, first)})
         per_prompt.append({"sample_id": sid, "prompt_tokens": len(ids), "new_tokens": len(g.tokens),
-                           "verify_steps": len(s.steps), "tau": round(sum(s.steps) / max(len(s.steps), 1), 4),
+                           "verify_steps": len(s.steps), "tau": round(mean_length(s.steps), 4),
                            "identical": same})
-    hist = np.bincount(np.asarray(steps, dtype=np.int64), minlength=arch.block_size + 1)[: arch.block_size + 1]
     result = {
         "target": cfg.target.path,
         "device": str(device),
@@ -240,7 +239,7 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
                           "by construction (rejection rule, tested in distribution); no token comparison",
         "new_tokens": new_tokens,
         "verify_steps": len(steps),
-        "tau": float(sum(steps) / max(len(steps), 1)),
+        "tau": mean_length(steps),
         "tokens_per_target_forward": float(spec_tokens / max(s_fwd, 1)),
         "greedy_target_forwards": g_fwd,
         "speculative_target_forwards": s_fwd,
@@ -249,7 +248,7 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
         "greedy_tokens_per_second": round(new_tokens / max(g_time, 1e-9), 2),
         "speculative_tokens_per_second": round(spec_tokens / max(s_time, 1e-9), 2),
         "speedup": float((spec_tokens / max(s_time, 1e-9)) / max(new_tokens / max(g_time, 1e-9), 1e-9)),
-        "acceptance_histogram": {str(k): int(hist[k]) for k in range(1, arch.block_size + 1)},
+        "acceptance_histogram": histogram(steps, arch.block_size),
         "mismatches": len(mismatches),
         "lossless": not mismatches,
         "mismatch_details": mismatches[:5],

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pipeline.archs import drafter_from_arch_dict
+from pipeline.acceptance import checkpoint_val_tau
 from pipeline.drafter import DFlashDrafter
 from pipeline.export import export_drafter
 
@@ -39,10 +40,9 @@ def export_checkpoint(ckpt_path: str, out_dir: str, for_sglang: bool = False, dt
     """`choice` (stages.best_checkpoint.Choice): why this checkpoint, recorded in OUT/dflash_meta.json."""
     drafter, meta = load_checkpoint_drafter(ckpt_path)
     target = meta["target"]
-    val = meta.get("val") or {}
     picked = choice.as_dict() if choice is not None else {
         "selected": checkpoint_kind(Path(ckpt_path)), "step": meta["step"],
-        "val_tau": val.get("val/tau") if val.get("step") == meta["step"] else None}
+        "val_tau": checkpoint_val_tau(meta.get("val"), meta["step"])}
     return export_drafter(
         drafter, drafter.arch, out_dir, vocab_size=int(meta["vocab_size"]),
         num_target_layers=int(target["num_hidden_layers"]), tie_word_embeddings=bool(target.get("tie_word_embeddings")),

@@ -14,19 +14,20 @@ Contract (used by `dflash eval --online` and the tests):
   captured by hooks on the same forwards that verify, exactly as extraction captures them, rounded through
   the store's feature encoding so the drafter sees what it was trained on). The target verifies
   [last, d1..d_{bs-1}] in ONE forward; the longest prefix of drafts equal to the target's argmax is
-  accepted plus the target's own next token (the bonus); the cache is cropped back to the verified tokens.
+  accepted plus the target's own next token (the bonus; pipeline/acceptance.py `greedy_accept`, the rule the
+  export's spec_generate runs too); the cache is cropped back to the verified tokens.
   Output is truncated after a stop token or at max_new_tokens exactly like greedy.
 - Greedy speculative decoding is lossless: `speculative_decode(...).tokens == greedy_decode(...).tokens`.
   The evaluation counts any difference as a bug.
 - Sampling (`sampling=Sampling(temperature > 0, top_p, seed)`, stages/sampling.py): the baseline samples each
   token from the target's p; the speculative decoder draws each draft token from the drafter's q (same
   temperature/top-p; DFlash 2's selector stays deterministic, q one-hot) and verifies with the rejection rule
-  (stages/sampling.py `verify`): lossless in distribution, not token for token. Temperature 0 (or
-  sampling=None) is the greedy path above, unchanged.
+  (pipeline/acceptance.py `verify`, shipped with the export for its spec_generate): lossless in
+  distribution, not token for token. Temperature 0 (or sampling=None) is the greedy path above, unchanged.
 - `draft_fn(context [p, L*H], p, last_id) -> list[int]` is pluggable (its `reset()`, if any, is called at the
-  start of each sequence); `dflash_draft_fn` is the DFlash drafter (`draft_blocks`' math with the projected
-  context cached across steps; a DFlash 2 drafter picks its tokens with its selector walk: the drafter's `pick`), tests
-  plug in oracles.
+  start of each sequence); `dflash_draft_fn` is the DFlash drafter (`pipeline.drafter.draft_hidden`, as
+  `draft_blocks` runs it, with the projected context cached across steps; a DFlash 2 drafter picks its
+  tokens with its selector walk: the drafter's `pick`), tests plug in oracles.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.acceptance import draw, greedy_accept, verify
+from pipeline.drafter import draft_hidden
 from pipeline.encoding import decode, encode
 from pipeline.target import FeatureCapture
-from stages.sampling import Sampling, draw, verify
+from stages.sampling import Sampling
 
 DraftFn = Callable[[Tensor, int, int], list]
 
@@ -181,12 +183,8 @@ def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int
                 draft, q = _sampled_draft(draft_fn, draft, sampling, gen)
             logits = runner.extend([out[-1]] + draft)  # [1 + len(draft), V]: ONE verify forward
             forwards += 1
-            if gen is None:
-                greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after [..., last, d1..di]
-                n = 0
-                while n < len(draft) and draft[n] == greedy[n]:
-                    n += 1
-                nxt = greedy[n]
+            if gen is None:  # the longest prefix equal to the target's argmax, then its own next token
+                n, nxt = greedy_accept(draft, logits)
             else:  # the rejection rule: accepted drafts, then a residual draw or the bonus token
                 n, nxt = verify(draft, q, sampling.probs(logits), gen)
             produced = []
@@ -238,8 +236,6 @@ class DFlashDraftFn:
 
     @torch.no_grad()
     def __call__(self, context: Tensor, pos: int, last_id: int) -> list:
-        from pipeline.masks import make_attend
-
         arch, bs, dev = self.arch, self.arch.block_size, context.device
         have = 0 if self.ctx is None else self.ctx.shape[1]
         if context.shape[0] != pos or pos < have:
@@ -250,13 +246,10 @@ class DFlashDraftFn:
             self.ctx = new if self.ctx is None else torch.cat([self.ctx, new], dim=1)
         ids = torch.full((1, bs), arch.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0] = last_id
-        block_embeds = F.embedding(ids, self.embed).to(self.dtype)  # [1, bs, H]
         q_pos = pos + torch.arange(bs, device=dev).view(1, bs)
         ctx_pos = torch.arange(pos, device=dev).view(1, pos)
-        attend = make_attend("sdpa", anchors=torch.tensor([[pos]], device=dev), block_size=bs, ctx_len=pos,
-                             layer_types=arch.layer_types, sliding_window=arch.sliding_window,
-                             is_causal=arch.is_causal)
-        h = self.drafter(block_embeds, self.ctx, q_pos, ctx_pos, attend)[0, 1:]  # [bs-1, H]
+        h = draft_hidden(self.drafter, ids, self.ctx, q_pos, ctx_pos, embed=self.embed,
+                         dtype=self.dtype)[0, 1:]  # [bs-1, H]: one block after the pos context positions
         logits = h.to(self.head.dtype) @ self.head.t()  # [bs-1, V]
         self.logits = logits if self.drafter.draws_from_logits else None
         # the argmax, or DFlash 2's selector walk through the top-K from the verified token

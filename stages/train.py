@@ -493,11 +493,12 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         summary = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
                    "val": getattr(task, "last_val", {}), "checkpoint": str(checkpoint_path)}
         if export:
+            from pipeline.acceptance import checkpoint_val_tau
             from stages.best_checkpoint import choose_checkpoint
             from stages.export import export_checkpoint
 
             val = summary["val"]  # the final validation's, when it ran at the last step (ValidateAtEnd)
-            last_tau = val.get("val/tau") if val.get("step") == trainer.global_step else None
+            last_tau = checkpoint_val_tau(val, trainer.global_step)
             choice = choose_checkpoint(ckpt_dir, cfg.train.export_checkpoint, last_tau)
             summary["export"] = str(export_checkpoint(str(choice.path), str(run_dir / "export"), choice=choice))
             summary["exported"] = choice.as_dict()

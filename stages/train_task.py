@@ -34,7 +34,8 @@ from pipeline.config import Config
 from pipeline.train_step import build_drafter, step_loss
 from pipeline.encoding import decode
 from pipeline.errors import NonFiniteLoss
-from pipeline.loss import acceptance_length, normalised_loss
+from pipeline.acceptance import acceptance_length, slot_accuracy, slot_counts
+from pipeline.loss import normalised_loss
 
 
 def compute_dtype(device_type: str, precision: str) -> torch.dtype:
@@ -184,17 +185,12 @@ class DrafterTask(L.LightningModule):
 
     def _forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         tokens, anchors = batch["tokens"], batch["anchors"]
-        B = tokens.shape[0]
         kind = "flex" if self.device.type == "cuda" else "sdpa"
         loss_sum, correct, blocks, extra = step_loss(self.drafter, tokens, batch["loss_mask"], anchors,
                                                      batch["seq_lens"], self._features(batch), self._embed,
                                                      self._head, self.cfg, kind, doc_ids=batch.get("doc_ids"))
-        labels, weights = blocks.labels.reshape(-1), blocks.weights.reshape(-1)
-        slot = torch.arange(self.bs, device=tokens.device).repeat(B * anchors.shape[1])
-        valid = labels >= 0
-        counts = torch.zeros(self.bs, device=tokens.device).index_add_(0, slot[valid], torch.ones_like(slot[valid], dtype=torch.float32))
-        hits = torch.zeros(self.bs, device=tokens.device).index_add_(0, slot[valid], correct[valid].float())
-        stats = {"weight_sum": weights.sum().float(), "counts": counts, "hits": hits, "extra": extra}
+        hits, counts = slot_counts(correct, blocks.labels, self.bs)  # [bs-1] each: slots 1..bs-1
+        stats = {"weight_sum": blocks.weights.reshape(-1).sum().float(), "counts": counts, "hits": hits, "extra": extra}
         return loss_sum, stats
 
     def _global_weight(self, loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -217,7 +213,7 @@ class DrafterTask(L.LightningModule):
         loss = normalised_loss(loss_sum, w_global, world)  # DDP's average of these = sum over ranks / W_global
         if window is not None:  # Lightning divides each micro-batch's loss by accumulate_grad_batches: undo it,
             loss = loss * self.trainer.accumulate_grad_batches  # so the window's gradient is sum / W_window
-        acc = stats["hits"][1:] / stats["counts"][1:].clamp(min=1)
+        acc = slot_accuracy(stats["hits"], stats["counts"])  # [bs-1]
         if self.train_sampler is not None:
             self.train_sampler.consumed = batch_idx + 1
         if os.environ.get("DFLASH_SAMPLE_LOG"):
@@ -241,7 +237,7 @@ class DrafterTask(L.LightningModule):
                                            "ids": batch["sample_ids"], "t": round(time.time(), 3)}) + "\n")
 
     def on_validation_epoch_start(self) -> None:
-        self._val = {"loss": 0.0, "w": 0.0, "hits": torch.zeros(self.bs), "counts": torch.zeros(self.bs)}
+        self._val = {"loss": 0.0, "w": 0.0, "hits": torch.zeros(self.bs - 1), "counts": torch.zeros(self.bs - 1)}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss_sum, stats = self._forward(batch)
@@ -256,8 +252,8 @@ class DrafterTask(L.LightningModule):
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(buf)
         buf = buf.cpu()
-        loss, w, hits, counts = buf[0], buf[1], buf[2 : 2 + self.bs], buf[2 + self.bs :]
-        acc = (hits[1:] / counts[1:].clamp(min=1)).float()
+        loss, w, hits, counts = buf[0], buf[1], buf[2 : 1 + self.bs], buf[1 + self.bs :]  # slots 1..bs-1
+        acc = slot_accuracy(hits, counts).float()
         metrics = {"val/loss": float(loss / max(float(w), 1e-6)), "val/tau": acceptance_length(acc)}
         metrics.update({f"val/acc_slot{k}": float(acc[k - 1]) for k in range(1, self.bs)})
         self.log_dict(metrics, prog_bar=False, sync_dist=False, rank_zero_only=True)

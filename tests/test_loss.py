@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.loss import IGNORE_INDEX, acceptance_length, chunked_weighted_ce, normalised_loss, slot_counts
+from pipeline.acceptance import acceptance_length, slot_counts
+from pipeline.loss import IGNORE_INDEX, chunked_weighted_ce, normalised_loss
 
 
 def reference(hidden, W, labels, weights):
