@@ -56,9 +56,11 @@ LARGE_HIDDEN = 1024  # targets at least this wide use the "large" factors
 TOKEN_BYTES = 5  # tokens int32 + loss_mask uint8, per token (pipeline/store.py)
 SAMPLE_BYTES = 21  # sample_start int64 + sample_length int32 + sample_id uint64 + split uint8, per sample
 # tokens/s per H200 extracting the Qwen3.5/3.6-27B hybrid (layers up to 61 of 64, flash-linear-attention 0.6):
-# design brief section 2 ("Both stages on one node at once", 2 x H200, 2026-11-30: 8,977 alone, 8,903 beside
-# training); its bare forward was 9,291, and 6,413 without flash-linear-attention (torch fallbacks)
-RATE_27B_H200 = 8977
+# with dflash's fast forward (extract.fast_forward, the default) 10,164 in int5 (issue 30, docs/benchmarks.md,
+# 2026-12-01: bare forward 11,873; 4 batches, a lower bound); transformers' reference forward 8,977 (design brief
+# section 2, 2 x H200, 2026-11-30: 8,903 beside training; bare 9,291), and 6,413 without flash-linear-attention
+RATE_27B_H200 = 10164
+RATE_27B_H200_REFERENCE = 8977
 RATE_27B_H200_NO_FLA = 6413
 WEIGHT_BYTES_27B = 27e9 * 2  # bf16 weights of the 27B class, the reference for scaling by size
 
@@ -109,16 +111,20 @@ def free_disk(store_path: str) -> tuple[Optional[int], str]:
     return shutil.disk_usage(p).free, str(p)
 
 
-def estimate_time(tokens: int, gpus: int, weight_bytes: Optional[float], cuda: bool) -> tuple[Optional[float], str]:
+def estimate_time(tokens: int, gpus: int, weight_bytes: Optional[float], cuda: bool,
+                  fast_forward: bool = True) -> tuple[Optional[float], str]:
     if not cuda:
         return None, ("no CUDA GPU here: extraction would run on the CPU, where no rate is measured for a large "
                       "target (the tiny target ran at ~1,000 tokens/s on 2 shards of a 2-core machine)")
-    src = (f"{RATE_27B_H200:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention "
-           f"(design brief section 2, measured 2026-11-30; {RATE_27B_H200_NO_FLA:,} on torch fallbacks)")
+    rate = RATE_27B_H200 if fast_forward else RATE_27B_H200_REFERENCE
+    src = (f"{rate:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention and "
+           + ("dflash's fast forward (measured 2026-12-01" if fast_forward else
+              "transformers' forward (extract.fast_forward off; measured 2026-11-30")
+           + f"; {RATE_27B_H200_NO_FLA:,} on torch fallbacks)")
     if weight_bytes is None or weight_bytes >= 0.5 * WEIGHT_BYTES_27B:
-        return tokens / (RATE_27B_H200 * gpus), f"from {src}; assumes an H200-class GPU per shard"
+        return tokens / (rate * gpus), f"from {src}; assumes an H200-class GPU per shard"
     scale = WEIGHT_BYTES_27B / weight_bytes
-    return (tokens / (RATE_27B_H200 * scale * gpus),
+    return (tokens / (rate * scale * gpus),
             f"from {src}, scaled by weight bytes ({weight_bytes / 1e9:.3g} GB here vs 54 GB: x{scale:,.0f}); a lower "
             "bound for a small target, which per-batch overheads dominate, not FLOPs")
 
@@ -197,7 +203,7 @@ def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr) -> Plan
     total = tokens * (raw * factor + TOKEN_BYTES) + len(samples) * SAMPLE_BYTES + head
     free, at = free_disk(store_path)
     weights = sum(f.stat().st_size for f in d.glob("*.safetensors")) or None
-    seconds, note = estimate_time(tokens, shards, weights, cuda)
+    seconds, note = estimate_time(tokens, shards, weights, cuda, cfg.extract.fast_forward)
     where = ("the tiny target's features" if size == "tiny" else "27B-shaped synthetic activations") + \
         f" ({'hidden < ' if size == 'tiny' else 'hidden >= '}{LARGE_HIDDEN}; stages/plan.py COMPRESSION)"
     train_seconds, train_note = estimate_training(cfg, train_lengths, shards)

@@ -64,6 +64,17 @@ def test_time_estimate_uses_the_measured_27b_rate_and_says_when_it_scales():
     assert estimate_time(1000, 1, None, cuda=False)[0] is None  # no GPU: no invented figure
 
 
+def test_time_estimate_follows_extract_fast_forward():
+    """The fast forward's measured rate by default; transformers' with extract.fast_forward off (each named)."""
+    from stages.plan import RATE_27B_H200_REFERENCE
+
+    fast, note = estimate_time(9_000_000, 5, WEIGHT_BYTES_27B, cuda=True)
+    ref, ref_note = estimate_time(9_000_000, 5, WEIGHT_BYTES_27B, cuda=True, fast_forward=False)
+    assert ref == pytest.approx(9_000_000 / (RATE_27B_H200_REFERENCE * 5)) and ref > fast
+    assert "fast forward" in note and "10,164" in note
+    assert "extract.fast_forward off" in ref_note and "8,977" in ref_note
+
+
 @pytest.mark.slow
 def test_size_estimate_is_within_ten_percent_of_a_real_tiny_extraction(tmp_path):
     store = tmp_path / "store.zarr"
