@@ -130,6 +130,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     from pipeline import store as st
+    from pipeline.provenance import create_or_open_store
     from pipeline.config import build_target_layer_ids
     from pipeline.kernels import kernel_report, use_kernel_cache
     from pipeline.target import FeatureCapture
@@ -213,7 +214,7 @@ def main(argv=None) -> None:
                 "vocab_size": vocab, "num_hidden_layers": n_layers, "tie_word_embeddings": False},
                 "layer_ids": layer_ids, "hidden_size": hidden, "encoding": enc, "chunk_tokens": 256, "clevel": a.clevel,
                 "num_shards": 1, "dataset": {"fingerprint": "bench"}, "max_length": 3072}
-        st.create_or_open_store(path, prov)
+        create_or_open_store(path, prov)
         writer = st.ShardWriter(path, 0, prov)
         busy = [0.0]
 

@@ -170,6 +170,8 @@ def main(argv=None) -> None:
 
 def extraction(a, model, layer_ids, cfg, batches, dev, sync, one, st, FeatureCapture, pipelined_extract) -> dict:
     """Extraction tokens/s per encoding with the installed forward, against its bare forward on the same batches."""
+    from pipeline.provenance import create_or_open_store
+
     n_tok = sum(b.numel() for b in batches)
     with torch.inference_mode():
         sync()
@@ -188,7 +190,7 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one, st, FeatureCap
                 "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers, "tie_word_embeddings": False},
                 "layer_ids": layer_ids, "hidden_size": hidden, "encoding": enc, "chunk_tokens": 256, "clevel": 1,
                 "num_shards": 1, "dataset": {"fingerprint": "bench"}, "max_length": a.seq}
-        st.create_or_open_store(path, prov)
+        create_or_open_store(path, prov)
         writer = st.ShardWriter(path, 0, prov)
 
         def on_batch(members, parts, bad, writer=writer):

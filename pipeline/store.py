@@ -126,7 +126,7 @@ def token_arrays(encoding: str) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Root: creation and provenance
+# Root: the provenance record's bytes (its schema version and checksum); what it says is pipeline/provenance.py's
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -170,48 +170,15 @@ def provenance_problem(path: str, root_attrs: dict) -> Optional[str]:
     return None
 
 
-# Provenance keys that must match between a store and the run that writes to or trains from it.
-IDENTITY_KEYS = (
-    "target.config_sha256", "target.weights_sha256", "target.hidden_size", "target.vocab_size", "layer_ids",
-    "encoding", "tokenizer.sha256", "tokenizer.chat_template_sha256", "tokenizer.enable_thinking",
-    "dataset.fingerprint", "max_length", "num_shards",
-)
+def root_attributes(path: str) -> dict:
+    """Every attribute of the root group, unchecked: the provenance under "dflash" and, beside it, the integrity
+    record (INTEGRITY_ATTR) that `provenance_problem` and the frozen head's check read."""
+    return dict(_zarr().open_group(path, mode="r").attrs)
 
 
-def _get(d: dict, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
-
-
-def provenance_differences(stored: dict, expected: dict, keys: tuple[str, ...] = IDENTITY_KEYS) -> list[str]:
-    """Human-readable lines, one per key where the store and the current run disagree."""
-    diffs = []
-    for key in keys:
-        a, b = _get(stored, key), _get(expected, key)
-        if b is None:
-            continue
-        if a != b:
-            diffs.append(f"{key}: store has {a!r}, this run has {b!r}")
-    return diffs
-
-
-def create_or_open_store(path: str, provenance: dict) -> dict:
-    """Create the root of a new store, or check that an existing one was made by the same run.
-
-    Returns the stored provenance. Raises StoreError naming every difference otherwise.
-    """
-    stored = read_root_attrs(path)
-    if stored is not None:
-        diffs = provenance_differences(stored, provenance)
-        if diffs:
-            raise StoreError(
-                f"the store at {path} was made by a different run:\n  " + "\n  ".join(diffs)
-                + "\nUse a new --store path for this configuration, or rerun with the configuration that made it."
-            )
-        return stored
+def write_root(path: str, provenance: dict) -> dict:
+    """Create the root group of a new store holding `provenance` (pipeline/provenance.py builds it and decides
+    whether an existing store may be continued) with its checksum; returns the record as zarr.json holds it."""
     zarr = _zarr()
     try:
         if is_local(path):

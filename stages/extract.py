@@ -29,17 +29,16 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from pipeline import __version__
+from pipeline import provenance as prov
 from pipeline import store as st
 from pipeline.config import Config
-from pipeline.encoding import check as check_encoding
-from pipeline.encoding import parts_spec, raw_bytes_per_token
+from pipeline.encoding import raw_bytes_per_token
 from pipeline.errors import UserError
-from pipeline.target import load_tokenizer, resolve_layer_ids, target_fingerprint, tokenizer_fingerprint
+from pipeline.target import load_tokenizer
 
 
 class ExtractError(UserError, RuntimeError):
@@ -47,42 +46,10 @@ class ExtractError(UserError, RuntimeError):
 
 
 def build_provenance(cfg: Config, tokenizer, samples, num_shards: int, command: str) -> dict:
+    """This run's root record (pipeline.provenance builds it) with ingest's fingerprint of `samples`."""
     from data.ingest import dataset_fingerprint
 
-    tfp = target_fingerprint(cfg.target.path)
-    layer_ids = resolve_layer_ids(cfg.target.layer_ids, tfp["num_hidden_layers"], cfg.target.num_feature_layers)
-    try:
-        check_encoding(cfg.store.encoding, tfp["hidden_size"])
-    except ValueError as e:
-        raise st.StoreError(f"store.encoding: {e}") from None
-    tok = tokenizer_fingerprint(tokenizer)
-    tok["enable_thinking"] = cfg.data.enable_thinking
-    n_val = sum(s.split == "validation" for s in samples)
-    return {
-        "schema_version": st.SCHEMA_VERSION,
-        "dflash_version": __version__,
-        "target": {"name": cfg.target.name, "path": cfg.target.path, **tfp},
-        "layer_ids": layer_ids,
-        "hidden_size": tfp["hidden_size"],
-        "encoding": cfg.store.encoding,
-        "feature_dtype": st.feature_dtype(cfg.store.encoding),
-        "feature_layout": {k: [list(shape), dt] for k, (shape, dt) in parts_spec(
-            cfg.store.encoding, len(layer_ids), tfp["hidden_size"]).items()},  # per token; see pipeline/encoding.py
-        "chunk_tokens": cfg.store.chunk_tokens,
-        "clevel": cfg.store.clevel,
-        "tokenizer": tok,
-        "dataset": {
-            "fingerprint": dataset_fingerprint(samples),
-            "files": cfg.data.train_files + cfg.data.validation_files,
-            "samples": len(samples),
-            "tokens": int(sum(len(s.input_ids) for s in samples)),
-            "validation_samples": n_val,
-        },
-        "max_length": cfg.data.max_length,
-        "num_shards": num_shards,
-        "created_by": command,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+    return prov.build_provenance(cfg, tokenizer, samples, num_shards, command, dataset_fingerprint(samples))
 
 
 def _log_dir(store: str) -> Path:
@@ -248,7 +215,7 @@ def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[lis
     samples, report = ingest(cfg.data, tokenizer)  # raises on bad rows before any worker starts
     print(report.summary(), file=sys.stderr)
     provenance = build_provenance(cfg, tokenizer, samples, num_shards, command)
-    st.create_or_open_store(store_path, provenance)
+    prov.create_or_open_store(store_path, provenance)
     reader_state = _shard_done(store_path, num_shards)
     todo = shard_set if shard_set is not None else list(range(num_shards))
     if all(reader_state.get(i, False) for i in todo):
@@ -389,14 +356,14 @@ def _target_gib(path: str) -> float:
     return sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**30 if d.is_dir() else 0.0
 
 
-def _disk_check(store_path: str, prov: dict, samples, num_shards: int, todo: list[int]) -> None:
+def _disk_check(store_path: str, record: dict, samples, num_shards: int, todo: list[int]) -> None:
     from pipeline.preflight import disk_warning
 
     done = _shard_tokens(store_path, num_shards)
     mine = sum(len(s.input_ids) for j, s in enumerate(samples) if j % num_shards in todo)
     left = max(0, mine - sum(done.get(i, 0) for i in todo))
-    raw = raw_bytes_per_token(prov["encoding"], len(prov["layer_ids"]), prov["hidden_size"])
-    per_tok = raw * (0.8 if prov["encoding"] == "bf16" else 1.0)  # lossless coding gains ~1.25x on bf16 only
+    raw = raw_bytes_per_token(record["encoding"], len(record["layer_ids"]), record["hidden_size"])
+    per_tok = raw * (0.8 if record["encoding"] == "bf16" else 1.0)  # lossless coding gains ~1.25x on bf16 only
     warning = disk_warning(store_path, left * per_tok)
     if warning:
         print(warning, file=sys.stderr)
