@@ -45,6 +45,10 @@ Contract:
   naming the store, shard, array, chunk and the samples it holds, and saying to run `dflash verify`. No
   caller ever sees zarr's fill value for a committed row. Opening a store checks the provenance and every
   progress record against their checksums; training also checks the frozen head's.
+- Progress records are read checked: one shard by `read_progress`/`shard_progress`, every shard at once by
+  `read_all_progress` (the reader, inspect/status, verify, the extract parent, train's and run's "finished?",
+  the multi-node start-up check). A record that fails its checksum raises StoreDataError, or with
+  report=True is handed back with its problem and no progress; nothing outside this module parses a record.
 - Stores written before these checksums (no "dflash_integrity" attribute) stay readable: their missing
   checksums are reported by `dflash verify` as notes, and since they did not store all-zero chunks, an
   absent loss_mask, split or sample_start chunk is read as zeros there (any other absent chunk is damage).
@@ -242,10 +246,56 @@ def progress_problem(path: str, index: int, shard_attrs: dict, integrity: bool) 
 
 
 def read_progress(path: str, index: int, shard_attrs: dict, integrity: bool) -> Progress:
+    """Shard `index`'s commit record from its group's attributes; StoreDataError if it fails its checksum."""
     problem = progress_problem(path, index, shard_attrs, integrity)
     if problem:
         raise StoreDataError(problem + f"; `dflash verify {path}` lists every problem")
     return Progress.from_attrs(shard_attrs)
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """One shard's commit record as `read_all_progress` read it."""
+
+    index: int
+    progress: Optional[Progress]  # None: not started, or its record failed its checksum (then `problem` says why)
+    problem: Optional[str] = None  # only with report=True (without it such a record raises)
+    group: Any = None  # the shard's group (None before the shard started), for a caller that reads its arrays
+
+    @property
+    def started(self) -> bool:
+        return self.group is not None
+
+    @property
+    def done(self) -> bool:
+        return self.progress is not None and self.progress.done
+
+
+def read_all_progress(path: str, report: bool = False) -> list[ShardState]:
+    """Every shard's commit record (shards 0..num_shards-1 of the root record, in order), read afresh in one pass
+    and checked like `read_progress`: a record that fails its checksum raises the same StoreDataError, or with
+    `report` comes back without progress and with its `problem`, for a caller that lists problems (verify) or
+    leaves that shard to its own writer (the extract parent)."""
+    attrs = read_root_attrs(path, check=False)  # the provenance's checksum is its readers' concern
+    if attrs is None:
+        raise StoreError(f"no store at {path}; run `dflash extract` first or pass --store PATH")
+    return _shard_states(path, _zarr().open_group(path, mode="r"), int(attrs["num_shards"]), report)
+
+
+def _shard_states(path: str, root, num_shards: int, report: bool = False) -> list[ShardState]:
+    integrity = INTEGRITY_ATTR in dict(root.attrs)
+    out = []
+    for i in range(num_shards):
+        try:
+            g = root[shard_name(i)]
+        except KeyError:
+            out.append(ShardState(i, None))
+            continue
+        shard_attrs = dict(g.attrs)
+        problem = progress_problem(path, i, shard_attrs, integrity) if report else None
+        prog = None if problem else read_progress(path, i, shard_attrs, integrity)
+        out.append(ShardState(i, prog, problem, g))
+    return out
 
 
 def _local_dir(path: str) -> Optional[Path]:
@@ -503,7 +553,6 @@ class StoreReader:
         self.layer_ids = list(attrs["layer_ids"])
         self.hidden_size = int(attrs["target"]["hidden_size"])
         root = zarr.open_group(path, mode="r")
-        integrity = INTEGRITY_ATTR in dict(root.attrs)
         self.shards: dict[int, Any] = {}
         self.progress: dict[int, Progress] = {}
         # opened arrays, by (shard, name): opening one reads and parses its zarr.json, which costs half of
@@ -512,15 +561,12 @@ class StoreReader:
         self._present: dict[tuple[int, str], set[int]] = {}  # chunks seen to exist, by (shard, name)
         self._columns: dict[int, dict[str, np.ndarray]] = {}  # per-sample arrays of each shard
         refs = []
-        for i in range(int(attrs["num_shards"])):
-            name = shard_name(i)
-            try:
-                g = root[name]
-            except KeyError:
-                self.progress[i] = Progress()
+        for state in _shard_states(path, root, int(attrs["num_shards"])):  # each record checked
+            i, prog = state.index, state.progress or Progress()
+            self.progress[i] = prog
+            if not state.started:
                 continue
-            prog = read_progress(path, i, dict(g.attrs), integrity)
-            self.shards[i], self.progress[i] = g, prog
+            self.shards[i] = state.group
             n = prog.committed_samples
             if n == 0:
                 continue

@@ -216,9 +216,8 @@ def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[lis
     print(report.summary(), file=sys.stderr)
     provenance = build_provenance(cfg, tokenizer, samples, num_shards, command)
     prov.create_or_open_store(store_path, provenance)
-    reader_state = _shard_done(store_path, num_shards)
     todo = shard_set if shard_set is not None else list(range(num_shards))
-    if all(reader_state.get(i, False) for i in todo):
+    if all(s.done for s in _shard_states(store_path) if s.index in todo):
         if st.exists(st.frozen_head_path(store_path)):
             print(f"extract: nothing to do, the store at {store_path} is already complete for shard(s) {todo}", file=sys.stderr)
             return 0
@@ -344,8 +343,7 @@ def _run_workers(cfg: Config, num_shards: int,
     nonfinite = sum(s.get("nonfinite", 0) for s in monitor.state.values())
     if nonfinite:
         print(f"extract: {nonfinite} sample(s) had NaN/Inf features and were not written", file=sys.stderr)
-    done = _shard_done(store_path, num_shards)
-    left = [i for i in range(num_shards) if not done.get(i)]
+    left = [s.index for s in _shard_states(store_path) if not s.done]
     where = "complete" if not left else f"waiting for shard(s) {left}"
     print(f"extract: finished shard(s) {todo}; store {store_path} is {where}", file=sys.stderr)
     return 0
@@ -359,7 +357,7 @@ def _target_gib(path: str) -> float:
 def _disk_check(store_path: str, record: dict, samples, num_shards: int, todo: list[int]) -> None:
     from pipeline.preflight import disk_warning
 
-    done = _shard_tokens(store_path, num_shards)
+    done = {s.index: s.progress.committed_tokens for s in _shard_states(store_path) if s.progress is not None}
     mine = sum(len(s.input_ids) for j, s in enumerate(samples) if j % num_shards in todo)
     left = max(0, mine - sum(done.get(i, 0) for i in todo))
     raw = raw_bytes_per_token(record["encoding"], len(record["layer_ids"]), record["hidden_size"])
@@ -369,17 +367,10 @@ def _disk_check(store_path: str, record: dict, samples, num_shards: int, todo: l
         print(warning, file=sys.stderr)
 
 
-def _shard_tokens(store_path: str, num_shards: int) -> dict[int, int]:
-    import zarr
-
-    root = zarr.open_group(store_path, mode="r")
-    out = {}
-    for i in range(num_shards):
-        try:
-            out[i] = st.Progress.from_attrs(dict(root[st.shard_name(i)].attrs)).committed_tokens
-        except KeyError:
-            out[i] = 0
-    return out
+def _shard_states(store_path: str) -> list:
+    """Every shard's checked commit record; one that fails its checksum counts as not done here (no progress):
+    its own worker stops on it, naming it, and another node's damaged shard does not stop this node's run."""
+    return st.read_all_progress(store_path, report=True)
 
 
 def _stop_all(procs: dict, exclude: int, grace: float = 15.0) -> None:
@@ -400,16 +391,3 @@ def _tail(path: Path, n: int = 5) -> str:
         return " | ".join(lines[-n:])
     except OSError:
         return "(no log)"
-
-
-def _shard_done(store_path: str, num_shards: int) -> dict[int, bool]:
-    import zarr
-
-    root = zarr.open_group(store_path, mode="r")
-    out = {}
-    for i in range(num_shards):
-        try:
-            out[i] = bool(st.Progress.from_attrs(dict(root[st.shard_name(i)].attrs)).done)
-        except KeyError:
-            out[i] = False
-    return out

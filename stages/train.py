@@ -181,7 +181,7 @@ def _world_changed(resume_state: Optional[dict], world: int) -> bool:
 
 
 def _unfinished_shards(store_path: str, attrs: dict) -> list[int]:
-    return [i for i in range(int(attrs["num_shards"])) if not (st.shard_progress(store_path, i) or st.Progress()).done]
+    return [s.index for s in st.read_all_progress(store_path) if not s.done]
 
 
 def _compile_cache(cfg: Config, rebuild: bool, report: bool) -> Path:
