@@ -22,6 +22,9 @@ Layout (Zarr v3, zarr-python 3), `schema_version` 1:
 
 Contract:
 - Ragged samples are flat token-major arrays plus per-sample start/length; L = len(layer_ids), H = hidden.
+- Shard i of N holds the samples `shard_rows(samples, i, N)` = samples[i::N] of the ingest's order, the one
+  sharding rule (ingest's per-shard sample files, the workers, the parent's disk estimate, a followed store's
+  planned rows, regeneration's shards).
 - Every array is chunked along its first axis, blosc(zstd, byte shuffle) then a crc32c checksum per chunk,
   so corruption is detected on read. zarr writes each chunk to a temporary `*.partial` file and renames
   it, so a killed writer never leaves a torn chunk behind (a resumed shard deletes its stale `*.partial`
@@ -59,8 +62,11 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import numbers
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -103,6 +109,21 @@ def digest(obj: Any) -> str:
 
 def shard_name(index: int) -> str:
     return f"{SHARDS_GROUP}/{index:05d}"
+
+
+def shard_rows(items, shard: int, num_shards: int):
+    """The rows of `items` that shard `shard` of `num_shards` takes: items[shard::num_shards], in order. The one
+    sharding rule of ingest's sample files, extraction, its disk estimate, a followed store's planned rows and
+    regeneration. A sequence is sliced (a list stays a list, a range a range); any other iterable (a file's
+    lines) is read through. StoreError for a shard index outside 0..num_shards-1."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, numbers.Integral) or num_shards < 1:
+        raise StoreError(f"the number of shards must be a whole number of at least 1, got {num_shards!r}")
+    if isinstance(shard, bool) or not isinstance(shard, numbers.Integral) or not 0 <= shard < num_shards:
+        raise StoreError(f"shard index {shard!r} is out of range for {num_shards} shard(s): shards are numbered "
+                         f"0..{num_shards - 1}")
+    if isinstance(items, (Sequence, np.ndarray)):
+        return items[shard::num_shards]
+    return list(itertools.islice(items, shard, None, num_shards))
 
 
 def _zarr():

@@ -358,7 +358,7 @@ def _disk_check(store_path: str, record: dict, samples, num_shards: int, todo: l
     from pipeline.preflight import disk_warning
 
     done = {s.index: s.progress.committed_tokens for s in _shard_states(store_path) if s.progress is not None}
-    mine = sum(len(s.input_ids) for j, s in enumerate(samples) if j % num_shards in todo)
+    mine = sum(len(s.input_ids) for i in todo for s in st.shard_rows(samples, i, num_shards))
     left = max(0, mine - sum(done.get(i, 0) for i in todo))
     raw = raw_bytes_per_token(record["encoding"], len(record["layer_ids"]), record["hidden_size"])
     per_tok = raw * (0.8 if record["encoding"] == "bf16" else 1.0)  # lossless coding gains ~1.25x on bf16 only

@@ -1,9 +1,10 @@
-"""Store facts with one owner (issue 29 item 1): the checked read of every shard's commit record
-`read_all_progress`, on a small three-shard store (one finished, one part-written, one not started) built once
-per module."""
+"""Store facts with one owner (issue 29 item 1): the sharding rule `shard_rows` and the checked read of every
+shard's commit record `read_all_progress`, on a small three-shard store (one finished, one part-written, one not
+started) built once per module."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +22,44 @@ PROV = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_siz
         "num_hidden_layers": 8, "tie_word_embeddings": False}, "layer_ids": LAYERS, "hidden_size": HIDDEN,
         "encoding": "int5", "chunk_tokens": 8, "clevel": 1, "num_shards": 3,
         "dataset": {"fingerprint": "t", "validation_samples": 0}, "max_length": 64}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shard_rows: the one sharding rule
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 5, 11])
+def test_shard_rows_is_the_slice_rule_for_every_kind_of_rows(num_shards):
+    items = [f"s{k}" for k in range(10)]
+    parts = []
+    for i in range(num_shards):
+        mine = st.shard_rows(items, i, num_shards)
+        assert mine == items[i::num_shards]
+        assert st.shard_rows(tuple(items), i, num_shards) == tuple(items)[i::num_shards]
+        assert st.shard_rows(range(10), i, num_shards) == range(10)[i::num_shards]
+        assert st.shard_rows(np.arange(10), i, num_shards).tolist() == list(range(10))[i::num_shards]
+        lines = io.StringIO("".join(f"{x}\n" for x in items))  # an iterable that cannot be sliced: a file
+        assert st.shard_rows(lines, i, num_shards) == [f"{x}\n" for x in items[i::num_shards]]
+        parts += mine
+    assert sorted(parts) == sorted(items)  # every row in exactly one shard
+
+
+@pytest.mark.parametrize("shard, num_shards, match", [
+    (2, 2, r"shard index 2 is out of range for 2 shard\(s\): shards are numbered 0\.\.1"),
+    (-1, 3, r"shard index -1 is out of range for 3 shard\(s\)"),
+    (True, 2, "shard index True"),
+    (1.0, 2, "shard index 1.0"),
+    (0, 0, "the number of shards must be a whole number of at least 1, got 0"),
+    (0, "2", "the number of shards must be a whole number"),
+])
+def test_shard_rows_refuses_a_shard_that_does_not_exist(shard, num_shards, match):
+    with pytest.raises(st.StoreError, match=match):
+        st.shard_rows(list(range(6)), shard, num_shards)
+
+
+def test_shard_rows_takes_numpy_integers():
+    assert st.shard_rows(list(range(6)), np.int64(1), np.int64(2)) == [1, 3, 5]
 
 
 # ----------------------------------------------------------------------------------------------------------
