@@ -1,9 +1,12 @@
-"""The hidden-state store: the one module that owns its schema. Both stages read and write through it.
+"""The hidden-state store: the one module that owns its schema. Both stages read and write through it, and
+it is the only module of pipeline/, data/ and stages/ that imports zarr (pipeline/store_lock.py needs none;
+tests/test_layering.py holds every other module to that). What the root record says (building it, comparing
+it with a run or a config, re-encoding it) and the frozen head's contents are pipeline/provenance.py's.
 
 Layout (Zarr v3, zarr-python 3), `schema_version` 1:
 
-    STORE/zarr.json                 root group; attrs["dflash"] = provenance (stages/extract.py: build_provenance),
-                                    attrs["dflash_integrity"] = {version, provenance_sha256}
+    STORE/zarr.json                 root group; attrs["dflash"] = provenance (pipeline/provenance.py builds it),
+                                    attrs["dflash_integrity"] = {version, provenance_sha256} (written here)
     STORE/frozen_head.safetensors   the target's embed_tokens / lm_head / final norm (frozen, for training)
     STORE/frozen_head.safetensors.sha256   {"sha256", "bytes"} of that file (pipeline.provenance)
     STORE/locks/shard-NNNNN.lock    the lock of a shard being written (pipeline.store_lock); absent otherwise
