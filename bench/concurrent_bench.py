@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline import store as st  # noqa: E402
+from pipeline.provenance import create_or_open_store  # noqa: E402
 from pipeline.encoding import encode  # noqa: E402
 from pipeline.provenance import write_frozen_head  # noqa: E402
 
@@ -101,7 +102,7 @@ def random_store(path: Path, a, n: int, head: Path, device: torch.device) -> Non
     """A finished store of n random-feature samples (phase 1's training reads it)."""
     shutil.rmtree(path, ignore_errors=True)
     prov = provenance(a, n)
-    st.create_or_open_store(str(path), prov)
+    create_or_open_store(str(path), prov)
     w = st.ShardWriter(str(path), 0, prov)
     w.start("random", n, n * a.seq, validation_batches=0)
     g = np.random.default_rng(1)
@@ -223,7 +224,7 @@ def main() -> None:
     per_batch = max(1, a.token_budget // a.seq)
     planned = 1_000_000
     prov = provenance(a, planned)
-    st.create_or_open_store(str(store), prov)
+    create_or_open_store(str(store), prov)
     writer = st.ShardWriter(str(store), 0, prov)
     writer.start("bench", planned, planned * a.seq, validation_batches=0)
     write_frozen_head(str(store), head.read_bytes())

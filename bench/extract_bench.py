@@ -123,6 +123,7 @@ def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_leng
     """(path, writer): a fresh one-shard store root/<enc>.zarr of the benchmark target `cfg` (build_model's full
     config) with the provenance `dflash extract` writes, and its shard 0's writer."""
     from pipeline import store as st
+    from pipeline.provenance import create_or_open_store
 
     path = os.path.join(root, f"{enc}.zarr")
     shutil.rmtree(path, ignore_errors=True)
@@ -131,7 +132,7 @@ def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_leng
             "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers, "tie_word_embeddings": False},
             "layer_ids": layer_ids, "hidden_size": hidden, "encoding": enc, "chunk_tokens": 256, "clevel": clevel,
             "num_shards": 1, "dataset": {"fingerprint": "bench"}, "max_length": max_length}
-    st.create_or_open_store(path, prov)
+    create_or_open_store(path, prov)
     return path, st.ShardWriter(path, 0, prov)
 
 

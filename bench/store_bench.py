@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pipeline import store as st
+from pipeline.provenance import create_or_open_store
 from pipeline.encoding import encode, raw_bytes_per_token
 
 
@@ -53,7 +54,7 @@ def provenance(enc: str, L: int, H: int, n_shards: int = 1) -> dict:
 def write_store(path: Path, enc: str, samples: list, L: int, H: int) -> float:
     shutil.rmtree(path, ignore_errors=True)
     prov = provenance(enc, L, H)
-    st.create_or_open_store(str(path), prov)
+    create_or_open_store(str(path), prov)
     w = st.ShardWriter(str(path), 0, prov)
     w.start("bench", len(samples), sum(len(t) for t, _ in samples))
     t0 = time.perf_counter()
@@ -171,7 +172,7 @@ def startup(a, root: Path) -> dict:
     path = root / "startup.zarr"
     shutil.rmtree(path, ignore_errors=True)
     prov = provenance("bf16", L, H)
-    st.create_or_open_store(str(path), prov)
+    create_or_open_store(str(path), prov)
     w = st.ShardWriter(str(path), 0, prov)
     w.start("bench", n, n * T)
     per = 2000

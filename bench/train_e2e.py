@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.store_bench import provenance  # noqa: E402
 from pipeline import store as st  # noqa: E402
+from pipeline.provenance import create_or_open_store  # noqa: E402
 from pipeline.encoding import encode  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,7 +87,7 @@ def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int],
     lengths = lengths or [seq] * samples
     prov = provenance(enc, len(layers), H)
     prov["layer_ids"], prov["target"]["vocab_size"] = layers, vocab
-    st.create_or_open_store(str(path), prov)
+    create_or_open_store(str(path), prov)
     w = st.ShardWriter(str(path), 0, prov)
     w.start("e2e", samples, sum(lengths))
     g = torch.Generator(device=DEV).manual_seed(0)

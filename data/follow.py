@@ -60,7 +60,7 @@ class GrowingStore:
                                 "written by an older dflash can be trained on only after extraction finished")
         S, N = int(self.attrs["num_shards"]), int(ds["samples"])
         self.planned = N - int(ds.get("validation_samples", 0))  # training samples the store will hold
-        self.planned_rows = [len(range(i, N, S)) for i in range(S)]  # shard i extracts samples[i::S]
+        self.planned_rows = [len(st.shard_rows(range(N), i, S)) for i in range(S)]  # shard i's samples
         self.rows: list[list[st.SampleRef]] = [[] for _ in range(S)]
         self.progress: list[Optional[st.Progress]] = [None] * S
         self.stream: list[st.SampleRef] = []  # training samples in stream order

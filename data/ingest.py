@@ -245,9 +245,12 @@ def dataset_fingerprint(samples: list[Sample]) -> str:
 
 
 def save_shard_samples(samples: list[Sample], num_shards: int, shard: int, path: Path) -> None:
-    """Shard `shard`'s samples (samples[shard::num_shards], in order) as one .npz, written atomically, with the
-    whole dataset's fingerprint: `dflash extract` tokenises once and hands each worker its part."""
-    mine = samples[shard::num_shards]
+    """Shard `shard`'s samples (pipeline.store.shard_rows: samples[shard::num_shards], in order) as one .npz,
+    written atomically, with the whole dataset's fingerprint: `dflash extract` tokenises once and hands each
+    worker its part."""
+    from pipeline.store import shard_rows  # here, not at the top: ingest alone needs no torch (store does)
+
+    mine = shard_rows(samples, shard, num_shards)
     lengths = np.array([len(s.input_ids) for s in mine], np.int64)
     path = Path(path)
     tmp = path.with_name(path.name + f".{os.getpid()}.partial.npz")

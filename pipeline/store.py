@@ -1,9 +1,12 @@
-"""The hidden-state store: the one module that owns its schema. Both stages read and write through it.
+"""The hidden-state store: the one module that owns its schema. Both stages read and write through it, and
+it is the only module of pipeline/, data/ and stages/ that imports zarr (pipeline/store_lock.py needs none;
+tests/test_layering.py holds every other module to that). What the root record says (building it, comparing
+it with a run or a config, re-encoding it) and the frozen head's contents are pipeline/provenance.py's.
 
 Layout (Zarr v3, zarr-python 3), `schema_version` 1:
 
-    STORE/zarr.json                 root group; attrs["dflash"] = provenance (stages/extract.py: build_provenance),
-                                    attrs["dflash_integrity"] = {version, provenance_sha256}
+    STORE/zarr.json                 root group; attrs["dflash"] = provenance (pipeline/provenance.py builds it),
+                                    attrs["dflash_integrity"] = {version, provenance_sha256} (written here)
     STORE/frozen_head.safetensors   the target's embed_tokens / lm_head / final norm (frozen, for training)
     STORE/frozen_head.safetensors.sha256   {"sha256", "bytes"} of that file (pipeline.provenance)
     STORE/locks/shard-NNNNN.lock    the lock of a shard being written (pipeline.store_lock); absent otherwise
@@ -22,6 +25,9 @@ Layout (Zarr v3, zarr-python 3), `schema_version` 1:
 
 Contract:
 - Ragged samples are flat token-major arrays plus per-sample start/length; L = len(layer_ids), H = hidden.
+- Shard i of N holds the samples `shard_rows(samples, i, N)` = samples[i::N] of the ingest's order, the one
+  sharding rule (ingest's per-shard sample files, the workers, the parent's disk estimate, a followed store's
+  planned rows, regeneration's shards).
 - Every array is chunked along its first axis, blosc(zstd, byte shuffle) then a crc32c checksum per chunk,
   so corruption is detected on read. zarr writes each chunk to a temporary `*.partial` file and renames
   it, so a killed writer never leaves a torn chunk behind (a resumed shard deletes its stale `*.partial`
@@ -45,6 +51,10 @@ Contract:
   naming the store, shard, array, chunk and the samples it holds, and saying to run `dflash verify`. No
   caller ever sees zarr's fill value for a committed row. Opening a store checks the provenance and every
   progress record against their checksums; training also checks the frozen head's.
+- Progress records are read checked: one shard by `read_progress`/`shard_progress`, every shard at once by
+  `read_all_progress` (the reader, inspect/status, verify, the extract parent, train's and run's "finished?",
+  the multi-node start-up check). A record that fails its checksum raises StoreDataError, or with
+  report=True is handed back with its problem and no progress; nothing outside this module parses a record.
 - Stores written before these checksums (no "dflash_integrity" attribute) stay readable: their missing
   checksums are reported by `dflash verify` as notes, and since they did not store all-zero chunks, an
   absent loss_mask, split or sample_start chunk is read as zeros there (any other absent chunk is damage).
@@ -55,8 +65,11 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import numbers
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -101,6 +114,21 @@ def shard_name(index: int) -> str:
     return f"{SHARDS_GROUP}/{index:05d}"
 
 
+def shard_rows(items, shard: int, num_shards: int):
+    """The rows of `items` that shard `shard` of `num_shards` takes: items[shard::num_shards], in order. The one
+    sharding rule of ingest's sample files, extraction, its disk estimate, a followed store's planned rows and
+    regeneration. A sequence is sliced (a list stays a list, a range a range); any other iterable (a file's
+    lines) is read through. StoreError for a shard index outside 0..num_shards-1."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, numbers.Integral) or num_shards < 1:
+        raise StoreError(f"the number of shards must be a whole number of at least 1, got {num_shards!r}")
+    if isinstance(shard, bool) or not isinstance(shard, numbers.Integral) or not 0 <= shard < num_shards:
+        raise StoreError(f"shard index {shard!r} is out of range for {num_shards} shard(s): shards are numbered "
+                         f"0..{num_shards - 1}")
+    if isinstance(items, (Sequence, np.ndarray)):
+        return items[shard::num_shards]
+    return list(itertools.islice(items, shard, None, num_shards))
+
+
 def _zarr():
     import zarr  # imported lazily: DataLoader workers open the store after fork, never before
 
@@ -126,7 +154,7 @@ def token_arrays(encoding: str) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Root: creation and provenance
+# Root: the provenance record's bytes (its schema version and checksum); what it says is pipeline/provenance.py's
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -170,48 +198,15 @@ def provenance_problem(path: str, root_attrs: dict) -> Optional[str]:
     return None
 
 
-# Provenance keys that must match between a store and the run that writes to or trains from it.
-IDENTITY_KEYS = (
-    "target.config_sha256", "target.weights_sha256", "target.hidden_size", "target.vocab_size", "layer_ids",
-    "encoding", "tokenizer.sha256", "tokenizer.chat_template_sha256", "tokenizer.enable_thinking",
-    "dataset.fingerprint", "max_length", "num_shards",
-)
+def root_attributes(path: str) -> dict:
+    """Every attribute of the root group, unchecked: the provenance under "dflash" and, beside it, the integrity
+    record (INTEGRITY_ATTR) that `provenance_problem` and the frozen head's check read."""
+    return dict(_zarr().open_group(path, mode="r").attrs)
 
 
-def _get(d: dict, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
-
-
-def provenance_differences(stored: dict, expected: dict, keys: tuple[str, ...] = IDENTITY_KEYS) -> list[str]:
-    """Human-readable lines, one per key where the store and the current run disagree."""
-    diffs = []
-    for key in keys:
-        a, b = _get(stored, key), _get(expected, key)
-        if b is None:
-            continue
-        if a != b:
-            diffs.append(f"{key}: store has {a!r}, this run has {b!r}")
-    return diffs
-
-
-def create_or_open_store(path: str, provenance: dict) -> dict:
-    """Create the root of a new store, or check that an existing one was made by the same run.
-
-    Returns the stored provenance. Raises StoreError naming every difference otherwise.
-    """
-    stored = read_root_attrs(path)
-    if stored is not None:
-        diffs = provenance_differences(stored, provenance)
-        if diffs:
-            raise StoreError(
-                f"the store at {path} was made by a different run:\n  " + "\n  ".join(diffs)
-                + "\nUse a new --store path for this configuration, or rerun with the configuration that made it."
-            )
-        return stored
+def write_root(path: str, provenance: dict) -> dict:
+    """Create the root group of a new store holding `provenance` (pipeline/provenance.py builds it and decides
+    whether an existing store may be continued) with its checksum; returns the record as zarr.json holds it."""
     zarr = _zarr()
     try:
         if is_local(path):
@@ -275,10 +270,56 @@ def progress_problem(path: str, index: int, shard_attrs: dict, integrity: bool) 
 
 
 def read_progress(path: str, index: int, shard_attrs: dict, integrity: bool) -> Progress:
+    """Shard `index`'s commit record from its group's attributes; StoreDataError if it fails its checksum."""
     problem = progress_problem(path, index, shard_attrs, integrity)
     if problem:
         raise StoreDataError(problem + f"; `dflash verify {path}` lists every problem")
     return Progress.from_attrs(shard_attrs)
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """One shard's commit record as `read_all_progress` read it."""
+
+    index: int
+    progress: Optional[Progress]  # None: not started, or its record failed its checksum (then `problem` says why)
+    problem: Optional[str] = None  # only with report=True (without it such a record raises)
+    group: Any = None  # the shard's group (None before the shard started), for a caller that reads its arrays
+
+    @property
+    def started(self) -> bool:
+        return self.group is not None
+
+    @property
+    def done(self) -> bool:
+        return self.progress is not None and self.progress.done
+
+
+def read_all_progress(path: str, report: bool = False) -> list[ShardState]:
+    """Every shard's commit record (shards 0..num_shards-1 of the root record, in order), read afresh in one pass
+    and checked like `read_progress`: a record that fails its checksum raises the same StoreDataError, or with
+    `report` comes back without progress and with its `problem`, for a caller that lists problems (verify) or
+    leaves that shard to its own writer (the extract parent)."""
+    attrs = read_root_attrs(path, check=False)  # the provenance's checksum is its readers' concern
+    if attrs is None:
+        raise StoreError(f"no store at {path}; run `dflash extract` first or pass --store PATH")
+    return _shard_states(path, _zarr().open_group(path, mode="r"), int(attrs["num_shards"]), report)
+
+
+def _shard_states(path: str, root, num_shards: int, report: bool = False) -> list[ShardState]:
+    integrity = INTEGRITY_ATTR in dict(root.attrs)
+    out = []
+    for i in range(num_shards):
+        try:
+            g = root[shard_name(i)]
+        except KeyError:
+            out.append(ShardState(i, None))
+            continue
+        shard_attrs = dict(g.attrs)
+        problem = progress_problem(path, i, shard_attrs, integrity) if report else None
+        prog = None if problem else read_progress(path, i, shard_attrs, integrity)
+        out.append(ShardState(i, prog, problem, g))
+    return out
 
 
 def _local_dir(path: str) -> Optional[Path]:
@@ -536,7 +577,6 @@ class StoreReader:
         self.layer_ids = list(attrs["layer_ids"])
         self.hidden_size = int(attrs["target"]["hidden_size"])
         root = zarr.open_group(path, mode="r")
-        integrity = INTEGRITY_ATTR in dict(root.attrs)
         self.shards: dict[int, Any] = {}
         self.progress: dict[int, Progress] = {}
         # opened arrays, by (shard, name): opening one reads and parses its zarr.json, which costs half of
@@ -545,15 +585,12 @@ class StoreReader:
         self._present: dict[tuple[int, str], set[int]] = {}  # chunks seen to exist, by (shard, name)
         self._columns: dict[int, dict[str, np.ndarray]] = {}  # per-sample arrays of each shard
         refs = []
-        for i in range(int(attrs["num_shards"])):
-            name = shard_name(i)
-            try:
-                g = root[name]
-            except KeyError:
-                self.progress[i] = Progress()
+        for state in _shard_states(path, root, int(attrs["num_shards"])):  # each record checked
+            i, prog = state.index, state.progress or Progress()
+            self.progress[i] = prog
+            if not state.started:
                 continue
-            prog = read_progress(path, i, dict(g.attrs), integrity)
-            self.shards[i], self.progress[i] = g, prog
+            self.shards[i] = state.group
             n = prog.committed_samples
             if n == 0:
                 continue

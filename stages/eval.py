@@ -238,18 +238,13 @@ def store_samples(reader: st.StoreReader, indices: list[int], device: torch.devi
 
 
 def load_store_head(store_path: str, device, dtype) -> tuple[Tensor, Tensor]:
-    from safetensors.torch import load
-
     head_path = st.frozen_head_path(store_path)
     if not st.exists(head_path):
         raise EvalError(f"{head_path} is missing: the store is incomplete; resume `dflash extract`")
-    from pipeline.provenance import check_frozen_head
+    from pipeline.provenance import check_frozen_head, load_frozen_head
 
     check_frozen_head(store_path)  # its checksum
-    t = load(st.read_bytes(head_path))
-    embed = t["embed_tokens.weight"].to(device, dtype)
-    head = t["lm_head.weight"].to(device, dtype) if "lm_head.weight" in t else embed  # tied: the embedding
-    return embed, head
+    return load_frozen_head(head_path, device, dtype)  # tied: the head is the embedding
 
 
 def run_offline(drafter: nn.Module, store_path: str, max_anchors: int, device: torch.device,
@@ -282,18 +277,13 @@ def run_offline(drafter: nn.Module, store_path: str, max_anchors: int, device: t
 def check_eval_store(src: DrafterSource, cfg: Config, attrs: dict, known: bool) -> None:
     """Refuse a store of another target: train's check (stages.train.check_store_matches) against the drafter's
     config when it is known (--config, the run's, the checkpoint's), else against what the export recorded."""
+    from pipeline.provenance import export_differences
     from stages.train import check_store_matches, store_mismatch
 
     if known:
         check_store_matches(cfg, attrs)
         return
-    t, mine = attrs["target"], src.target or {}
-    diffs = []
-    if mine.get("name") and mine["name"] != t["name"]:
-        diffs.append(f"target: store was extracted from {t['name']!r}, the drafter was trained for {mine['name']!r}")
-    if mine.get("vocab_size") is not None and int(mine["vocab_size"]) != int(t["vocab_size"]):
-        diffs.append(f"vocab: the store's target has {t['vocab_size']} tokens, the drafter was exported for "
-                     f"{mine['vocab_size']}")
+    diffs = export_differences(attrs, src.target)
     if diffs:
         raise store_mismatch(diffs, f"the drafter {src.path}")
 

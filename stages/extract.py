@@ -29,17 +29,16 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from pipeline import __version__
+from pipeline import provenance as prov
 from pipeline import store as st
 from pipeline.config import Config
-from pipeline.encoding import check as check_encoding
-from pipeline.encoding import parts_spec, raw_bytes_per_token
+from pipeline.encoding import raw_bytes_per_token
 from pipeline.errors import UserError
-from pipeline.target import load_tokenizer, resolve_layer_ids, target_fingerprint, tokenizer_fingerprint
+from pipeline.target import load_tokenizer
 
 
 class ExtractError(UserError, RuntimeError):
@@ -47,42 +46,10 @@ class ExtractError(UserError, RuntimeError):
 
 
 def build_provenance(cfg: Config, tokenizer, samples, num_shards: int, command: str) -> dict:
+    """This run's root record (pipeline.provenance builds it) with ingest's fingerprint of `samples`."""
     from data.ingest import dataset_fingerprint
 
-    tfp = target_fingerprint(cfg.target.path)
-    layer_ids = resolve_layer_ids(cfg.target.layer_ids, tfp["num_hidden_layers"], cfg.target.num_feature_layers)
-    try:
-        check_encoding(cfg.store.encoding, tfp["hidden_size"])
-    except ValueError as e:
-        raise st.StoreError(f"store.encoding: {e}") from None
-    tok = tokenizer_fingerprint(tokenizer)
-    tok["enable_thinking"] = cfg.data.enable_thinking
-    n_val = sum(s.split == "validation" for s in samples)
-    return {
-        "schema_version": st.SCHEMA_VERSION,
-        "dflash_version": __version__,
-        "target": {"name": cfg.target.name, "path": cfg.target.path, **tfp},
-        "layer_ids": layer_ids,
-        "hidden_size": tfp["hidden_size"],
-        "encoding": cfg.store.encoding,
-        "feature_dtype": st.feature_dtype(cfg.store.encoding),
-        "feature_layout": {k: [list(shape), dt] for k, (shape, dt) in parts_spec(
-            cfg.store.encoding, len(layer_ids), tfp["hidden_size"]).items()},  # per token; see pipeline/encoding.py
-        "chunk_tokens": cfg.store.chunk_tokens,
-        "clevel": cfg.store.clevel,
-        "tokenizer": tok,
-        "dataset": {
-            "fingerprint": dataset_fingerprint(samples),
-            "files": cfg.data.train_files + cfg.data.validation_files,
-            "samples": len(samples),
-            "tokens": int(sum(len(s.input_ids) for s in samples)),
-            "validation_samples": n_val,
-        },
-        "max_length": cfg.data.max_length,
-        "num_shards": num_shards,
-        "created_by": command,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+    return prov.build_provenance(cfg, tokenizer, samples, num_shards, command, dataset_fingerprint(samples))
 
 
 def _log_dir(store: str) -> Path:
@@ -248,10 +215,9 @@ def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[lis
     samples, report = ingest(cfg.data, tokenizer)  # raises on bad rows before any worker starts
     print(report.summary(), file=sys.stderr)
     provenance = build_provenance(cfg, tokenizer, samples, num_shards, command)
-    st.create_or_open_store(store_path, provenance)
-    reader_state = _shard_done(store_path, num_shards)
+    prov.create_or_open_store(store_path, provenance)
     todo = shard_set if shard_set is not None else list(range(num_shards))
-    if all(reader_state.get(i, False) for i in todo):
+    if all(s.done for s in _shard_states(store_path) if s.index in todo):
         if st.exists(st.frozen_head_path(store_path)):
             print(f"extract: nothing to do, the store at {store_path} is already complete for shard(s) {todo}", file=sys.stderr)
             return 0
@@ -377,8 +343,7 @@ def _run_workers(cfg: Config, num_shards: int,
     nonfinite = sum(s.get("nonfinite", 0) for s in monitor.state.values())
     if nonfinite:
         print(f"extract: {nonfinite} sample(s) had NaN/Inf features and were not written", file=sys.stderr)
-    done = _shard_done(store_path, num_shards)
-    left = [i for i in range(num_shards) if not done.get(i)]
+    left = [s.index for s in _shard_states(store_path) if not s.done]
     where = "complete" if not left else f"waiting for shard(s) {left}"
     print(f"extract: finished shard(s) {todo}; store {store_path} is {where}", file=sys.stderr)
     return 0
@@ -389,30 +354,23 @@ def _target_gib(path: str) -> float:
     return sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**30 if d.is_dir() else 0.0
 
 
-def _disk_check(store_path: str, prov: dict, samples, num_shards: int, todo: list[int]) -> None:
+def _disk_check(store_path: str, record: dict, samples, num_shards: int, todo: list[int]) -> None:
     from pipeline.preflight import disk_warning
 
-    done = _shard_tokens(store_path, num_shards)
-    mine = sum(len(s.input_ids) for j, s in enumerate(samples) if j % num_shards in todo)
+    done = {s.index: s.progress.committed_tokens for s in _shard_states(store_path) if s.progress is not None}
+    mine = sum(len(s.input_ids) for i in todo for s in st.shard_rows(samples, i, num_shards))
     left = max(0, mine - sum(done.get(i, 0) for i in todo))
-    raw = raw_bytes_per_token(prov["encoding"], len(prov["layer_ids"]), prov["hidden_size"])
-    per_tok = raw * (0.8 if prov["encoding"] == "bf16" else 1.0)  # lossless coding gains ~1.25x on bf16 only
+    raw = raw_bytes_per_token(record["encoding"], len(record["layer_ids"]), record["hidden_size"])
+    per_tok = raw * (0.8 if record["encoding"] == "bf16" else 1.0)  # lossless coding gains ~1.25x on bf16 only
     warning = disk_warning(store_path, left * per_tok)
     if warning:
         print(warning, file=sys.stderr)
 
 
-def _shard_tokens(store_path: str, num_shards: int) -> dict[int, int]:
-    import zarr
-
-    root = zarr.open_group(store_path, mode="r")
-    out = {}
-    for i in range(num_shards):
-        try:
-            out[i] = st.Progress.from_attrs(dict(root[st.shard_name(i)].attrs)).committed_tokens
-        except KeyError:
-            out[i] = 0
-    return out
+def _shard_states(store_path: str) -> list:
+    """Every shard's checked commit record; one that fails its checksum counts as not done here (no progress):
+    its own worker stops on it, naming it, and another node's damaged shard does not stop this node's run."""
+    return st.read_all_progress(store_path, report=True)
 
 
 def _stop_all(procs: dict, exclude: int, grace: float = 15.0) -> None:
@@ -433,16 +391,3 @@ def _tail(path: Path, n: int = 5) -> str:
         return " | ".join(lines[-n:])
     except OSError:
         return "(no log)"
-
-
-def _shard_done(store_path: str, num_shards: int) -> dict[int, bool]:
-    import zarr
-
-    root = zarr.open_group(store_path, mode="r")
-    out = {}
-    for i in range(num_shards):
-        try:
-            out[i] = bool(st.Progress.from_attrs(dict(root[st.shard_name(i)].attrs)).done)
-        except KeyError:
-            out[i] = False
-    return out

@@ -2,8 +2,9 @@
 
 Started by `dflash extract` (one process per shard, only its GPU visible) or by hand/scheduler through
 `dflash extract --shard-index I`. Contract:
-- The shard's samples are `ingest(...)[I::N]`, batched by a deterministic plan (length-sorted, padded
-  tokens <= extract.token_budget), so a resumed shard recomputes exactly the batches it had not committed.
+- The shard's samples are `ingest(...)[I::N]` (pipeline.store.shard_rows, the one sharding rule), batched by a
+  deterministic plan (length-sorted, padded tokens <= extract.token_budget), so a resumed shard recomputes
+  exactly the batches it had not committed.
 - Overlap: the main thread runs forward passes and queues each batch's encoded features (GPU -> pinned host
   copy on a side stream); a writer thread waits for the copy, writes and commits. Bounded by queue_depth.
 - Samples with NaN/Inf features are not written; their count is committed with the shard's progress.
@@ -186,7 +187,7 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, l
                                 f"{shard_index} of {num_shards}; rerun `dflash extract`")
     else:
         samples, _ = ingest(cfg.data, tokenizer)
-        fingerprint, mine = dataset_fingerprint(samples), samples[shard_index::num_shards]
+        fingerprint, mine = dataset_fingerprint(samples), st.shard_rows(samples, shard_index, num_shards)
     if fingerprint != root_attrs["dataset"]["fingerprint"]:
         raise st.StoreError("the dataset differs from the one this store was created from; use the same data files and config")
     lengths = [len(s.input_ids) for s in mine]

@@ -2,7 +2,9 @@
 
 Contract: `inspect_store` prints samples, tokens, bytes on disk, bytes per token and compression ratio per array,
 provenance and per-shard completion; it never modifies the store. Returns 0. `store_summary` is the same
-figures as a dict (`dflash status` and the benches use it). `dflash verify` (stages/verify.py) reads every chunk.
+figures as a dict (`dflash status` and the benches use it). The provenance and every progress record are read
+checked (pipeline/store.py): one that fails its checksum raises StoreDataError naming it and `dflash verify`
+(stages/verify.py), which reads every chunk.
 """
 
 from __future__ import annotations
@@ -16,13 +18,11 @@ import numpy as np
 from pipeline import store as st
 
 
-def _open(path: str, check: bool = True):
-    import zarr
-
+def _attrs(path: str, check: bool = True) -> dict:
     attrs = st.read_root_attrs(path, check=check)
     if attrs is None:
         raise st.StoreError(f"no store at {path}")
-    return attrs, zarr.open_group(path, mode="r")
+    return attrs
 
 
 def _disk_bytes(path: str, rel: str) -> int:
@@ -44,16 +44,14 @@ def _human(n: float) -> str:
 
 
 def store_summary(path: str) -> dict:
-    attrs, root = _open(path)
+    attrs = _attrs(path)
     shards, per_array = [], {}
     total_tokens = total_samples = 0
-    for i in range(attrs["num_shards"]):
-        try:
-            g = root[st.shard_name(i)]
-        except KeyError:
+    for state in st.read_all_progress(path):  # a record that fails its checksum stops here, named
+        i, g, p = state.index, state.group, state.progress
+        if not state.started:
             shards.append({"shard": i, "started": False, "done": False, "samples": 0, "tokens": 0})
             continue
-        p = st.Progress.from_attrs(dict(g.attrs))
         shards.append({"shard": i, "started": True, "done": p.done, "samples": p.committed_samples,
                        "tokens": p.committed_tokens, "planned_samples": p.planned_samples,
                        "planned_tokens": p.planned_tokens, "nonfinite_skipped": p.nonfinite_skipped})

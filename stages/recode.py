@@ -2,7 +2,7 @@
 
 Contract:
 - SRC must be a complete store (every shard done). DST gets SRC's provenance with the new encoding (and
-  clevel) plus `recoded_from`, the same shards, the same samples in the same order, and a copy of the frozen
+  clevel) plus `recoded_from` (pipeline.provenance.recoded_provenance), the same shards, the same samples in the same order, and a copy of the frozen
   head: training, eval and inspect treat it exactly like a store extracted with that encoding.
 - Features are decoded from SRC and re-encoded batch by batch (on CUDA when present), through the same
   ShardWriter commit protocol as extraction, so a killed recode resumes where it stopped when rerun with the
@@ -22,8 +22,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pipeline import provenance as prov
 from pipeline import store as st
-from pipeline.encoding import check, decode, encode, from_storage, part_names, parts_spec, to_storage
+from pipeline.encoding import check, decode, encode, from_storage, part_names, to_storage
 
 
 def _log(msg: str) -> None:
@@ -49,19 +50,12 @@ def run_recode(src: str, dst: str, encoding: str, clevel: Optional[int] = None, 
     if attrs["encoding"] != "bf16":
         _log(f"recode: warning: {src} is already lossy ({attrs['encoding']}); re-encoding to {encoding} compounds "
              "the errors. Recode from a bf16 store when you have one.")
-    L, H = len(attrs["layer_ids"]), int(attrs["hidden_size"])
-    prov = dict(attrs)
-    prov.update({"encoding": encoding, "feature_dtype": st.feature_dtype(encoding),
-                 "feature_layout": {k: [list(s), d] for k, (s, d) in parts_spec(encoding, L, H).items()},
-                 "clevel": int(clevel if clevel is not None else attrs.get("clevel", 1)),
-                 "recoded_from": {"path": str(src), "encoding": attrs["encoding"], "created_at": attrs.get("created_at")}})
-    stored = st.create_or_open_store(dst, prov)
-    if stored.get("recoded_from", {}).get("encoding") not in (None, attrs["encoding"]):
-        raise st.StoreError(f"{dst} was recoded from a different source; choose a new DST")
+    stored = prov.create_or_open_store(dst, prov.recoded_provenance(attrs, src, encoding, clevel))
+    problem = prov.recode_source_problem(stored, attrs, dst)
+    if problem:
+        raise st.StoreError(problem)
     if not st.exists(st.frozen_head_path(dst)):
-        from pipeline.provenance import copy_frozen_head
-
-        copy_frozen_head(src, dst)
+        prov.copy_frozen_head(src, dst)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     total = sum(p.committed_tokens for p in reader.progress.values())
     done_tokens, t0, last = 0, time.perf_counter(), 0.0

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from data.prompts import Conversation
+from pipeline import store as st
 from pipeline.config import Config
 from pipeline.lifecycle import StopFlag, die_with_parent
 from pipeline.target import DTYPES, load_target, load_tokenizer
@@ -152,7 +153,7 @@ def load_engine_target(cfg: Config):
 def shard_conversations(work: Path, shard_index: int, num_shards: int) -> tuple[list[Conversation], int]:
     """(this shard's conversations that no log has committed, committed ones of this shard)."""
     with open(work / "prompts.jsonl", encoding="utf-8") as f:
-        mine = [Conversation.from_json(line) for k, line in enumerate(f) if k % num_shards == shard_index]
+        mine = [Conversation.from_json(line) for line in st.shard_rows(f, shard_index, num_shards)]
     done = committed_rows(work)
     return [c for c in mine if c.index not in done], sum(c.index in done for c in mine)
 

@@ -188,8 +188,7 @@ def _complete(store_path: str) -> bool:
         attrs = st.read_root_attrs(store_path)
     except st.StoreError:
         return False
-    return attrs is not None and all((st.shard_progress(store_path, i) or st.Progress()).done
-                                     for i in range(int(attrs["num_shards"])))
+    return attrs is not None and all(s.done for s in st.read_all_progress(store_path))
 
 
 def _tail(path: Path, n: int = 3) -> str:

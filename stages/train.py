@@ -2,8 +2,8 @@
 
 Contract:
 - Reads only the store (features, tokens, masks, frozen_head.safetensors); never loads the target.
-- Refuses a store whose provenance does not match the config (target name, layer ids, hidden size,
-  vocabulary/mask token), naming each difference.
+- Refuses a store whose provenance does not match the config (target name and fingerprint, layer ids, hidden
+  size, vocabulary/mask token, thinking mode; pipeline.provenance.config_differences), naming each difference.
 - A store still being written is followed (`--follow`, or said so and done when the store is unfinished):
   training starts once the validation split and one optimizer step's samples are committed, reads committed
   samples only, waits when it has caught up, and ends after the configured epochs over the final store
@@ -37,8 +37,7 @@ import torch
 from pipeline import store as st
 from pipeline.config import Config, anchors_per_token, dump_config, pack_tokens
 from pipeline.errors import UserError
-from pipeline.provenance import start_frozen_head_check, target_differences
-from pipeline.target import resolve_layer_ids
+from pipeline.provenance import config_differences, start_frozen_head_check
 
 
 class TrainError(UserError, RuntimeError):
@@ -46,27 +45,12 @@ class TrainError(UserError, RuntimeError):
 
 
 def check_store_matches(cfg: Config, attrs: dict) -> list[int]:
-    """Return the layer ids to train with, or raise TrainError naming every mismatch."""
-    t = attrs["target"]
-    diffs = []
-    if cfg.target.name and cfg.target.name != t["name"]:
-        diffs.append(f"target: store was extracted from {t['name']!r}, config says {cfg.target.name!r}")
-    diffs += target_differences(cfg.target.path, t)  # by fingerprint, when target.path is readable here
-    expected_ids = resolve_layer_ids(cfg.target.layer_ids, t["num_hidden_layers"], cfg.target.num_feature_layers)
-    if expected_ids != attrs["layer_ids"]:
-        diffs.append(f"layer ids: store has {attrs['layer_ids']}, config gives {expected_ids}")
-    if cfg.drafter.hidden_size != attrs["hidden_size"]:
-        diffs.append(f"hidden size: store has {attrs['hidden_size']}, drafter.hidden_size is {cfg.drafter.hidden_size}")
-    if not 0 <= cfg.drafter.mask_token_id < t["vocab_size"]:
-        diffs.append(f"vocab: drafter.mask_token_id {cfg.drafter.mask_token_id} is outside the store's vocabulary of {t['vocab_size']}")
-    thinking = attrs.get("tokenizer", {}).get("enable_thinking")
-    if thinking is not None and bool(thinking) != cfg.data.enable_thinking:
-        diffs.append(f"thinking mode: the store's conversations were rendered with enable_thinking={bool(thinking)}, "
-                     f"data.enable_thinking is {cfg.data.enable_thinking} (the drafter must be served the way it "
-                     "was trained)")
+    """Return the layer ids to train with, or raise TrainError naming every mismatch (pipeline.provenance's
+    config_differences)."""
+    layer_ids, diffs = config_differences(cfg, attrs)
     if diffs:
         raise store_mismatch(diffs)
-    return expected_ids
+    return layer_ids
 
 
 def store_mismatch(diffs: list[str], what: str = "this config") -> TrainError:
@@ -197,7 +181,7 @@ def _world_changed(resume_state: Optional[dict], world: int) -> bool:
 
 
 def _unfinished_shards(store_path: str, attrs: dict) -> list[int]:
-    return [i for i in range(int(attrs["num_shards"])) if not (st.shard_progress(store_path, i) or st.Progress()).done]
+    return [s.index for s in st.read_all_progress(store_path) if not s.done]
 
 
 def _compile_cache(cfg: Config, rebuild: bool, report: bool) -> Path:

@@ -123,8 +123,7 @@ def store_facts(store_path: str, attrs: dict, reader) -> dict:
     if isinstance(reader, GrowingStore):  # still growing: the commits differ by the moment each node looked
         return {"provenance": st.digest(attrs)}
     return {"provenance": st.digest(attrs),
-            "progress": [dataclasses.asdict(st.shard_progress(store_path, i) or st.Progress())
-                         for i in range(int(attrs["num_shards"]))]}
+            "progress": [dataclasses.asdict(s.progress or st.Progress()) for s in st.read_all_progress(store_path)]}
 
 
 def link_newest_step(ckpt_dir: Path) -> Optional[Path]:

@@ -95,19 +95,10 @@ class DrafterTask(L.LightningModule):
 
     # -- frozen head ------------------------------------------------------------------------------------
     def _load_head(self) -> None:
-        from safetensors.torch import load, load_file
+        from pipeline.provenance import load_frozen_head
 
-        from pipeline.store import is_local, read_bytes
-
-        if is_local(self.head_path):  # memory-mapped, straight to the device: 2 x 2.5 GB at the 27B shape
-            t = load_file(self.head_path.removeprefix("file://"), device=str(self.device))
-        else:
-            t = load(read_bytes(self.head_path))
-        embed = t["embed_tokens.weight"]
-        head = t.get("lm_head.weight", embed)  # tied targets store the embedding once
         dtype = compute_dtype(self.device.type, str(self.trainer.precision) if self._trainer else "32-true")
-        self._embed = embed.to(self.device, dtype)
-        self._head = head.to(self.device, dtype) if head is not embed else self._embed
+        self._embed, self._head = load_frozen_head(self.head_path, self.device, dtype)  # checked by stages.train
 
     def on_fit_start(self) -> None:
         self._load_head()

@@ -23,14 +23,12 @@ from pipeline import store as st
 from pipeline.encoding import decode, from_storage, part_names
 from pipeline.provenance import frozen_head_problem
 from pipeline.store_lock import holder
-
-
-from stages.inspect import _open
+from stages.inspect import _attrs
 
 
 def verify_store(path: str, out=sys.stdout) -> int:
-    attrs, root = _open(path, check=False)  # a provenance that fails its checksum is reported below
-    root_attrs = dict(root.attrs)
+    attrs = _attrs(path, check=False)  # a provenance that fails its checksum is reported below
+    root_attrs = st.root_attributes(path)
     integrity = st.INTEGRITY_ATTR in root_attrs
     problems: list[str] = []
     notes: list[str] = []
@@ -43,10 +41,9 @@ def verify_store(path: str, out=sys.stdout) -> int:
         problems.append(problem)
     ids_seen: set[int] = set()
     checked_tokens = 0
-    for i in range(attrs["num_shards"]):
-        try:
-            g = root[st.shard_name(i)]
-        except KeyError:
+    for state in st.read_all_progress(path, report=True):  # records that fail their checksum come back named
+        i, g = state.index, state.group
+        if not state.started:
             problems.append(f"shard {i}: not started")
             continue
         lock = holder(path, i)
@@ -55,11 +52,10 @@ def verify_store(path: str, out=sys.stdout) -> int:
                                            f"{lock['host']}: what is checked is its committed part"
                                            if lock["live"] else "a lock left by a killed run (the next run takes "
                                            "it over by itself)"))
-        problem = st.progress_problem(path, i, dict(g.attrs), integrity)
-        if problem:
-            problems.append(f"shard {i}: {problem}")
+        if state.problem:
+            problems.append(f"shard {i}: {state.problem}")
             continue
-        p = st.Progress.from_attrs(dict(g.attrs))
+        p = state.progress
         if not p.done:
             problems.append(f"shard {i}: not finished ({p.committed_samples}/{p.planned_samples} samples committed)")
         checked_tokens += _verify_shard(path, i, g, p, attrs, ids_seen, problems, notes)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pipeline import store as st
+from pipeline.provenance import create_or_open_store
 from pipeline.encoding import encode
 
 
@@ -18,7 +19,7 @@ def synthetic_store(path: str, lengths: list[int], prompt, hidden: int = 64, chu
             "num_hidden_layers": 8, "tie_word_embeddings": False}, "layer_ids": [1, 3], "hidden_size": hidden,
             "encoding": "int5", "chunk_tokens": chunk_tokens, "clevel": 1, "num_shards": 1,
             "dataset": {"fingerprint": "t", "validation_samples": 0}, "max_length": max_length}
-    st.create_or_open_store(path, prov)
+    create_or_open_store(path, prov)
     w = st.ShardWriter(path, 0, prov)
     w.start("plan", len(lengths), sum(lengths))
     g = torch.Generator().manual_seed(seed)

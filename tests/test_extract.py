@@ -17,6 +17,7 @@ import torch
 import zarr
 
 from pipeline import store as st
+from pipeline.provenance import create_or_open_store
 from pipeline.config import load_config
 from pipeline.encoding import decode, from_storage
 from pipeline.target import FeatureCapture, capture_features, load_target, truncate_layers
@@ -279,7 +280,7 @@ def test_nonfinite_samples_are_skipped_and_counted(tmp_path, monkeypatch):
     store = str(tmp_path / "nan.zarr")
     tok = load_tokenizer(cfg.target.path)
     samples, _ = ingest(cfg.data, tok)
-    st.create_or_open_store(store, build_provenance(cfg, tok, samples, 1, "test"))
+    create_or_open_store(store, build_provenance(cfg, tok, samples, 1, "test"))
     real = w.capture_features
 
     def poisoned(model, capture, ids, att):
@@ -313,7 +314,7 @@ def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch):
     store = str(tmp_path / "full.zarr")
     tok = load_tokenizer(cfg.target.path)
     samples, _ = ingest(cfg.data, tok)
-    st.create_or_open_store(store, build_provenance(cfg, tok, samples, 1, "test"))
+    create_or_open_store(store, build_provenance(cfg, tok, samples, 1, "test"))
     real_write = st.ShardWriter.write_batch
     calls = {"n": 0}
 
@@ -362,7 +363,7 @@ def test_workers_take_the_parents_tokenised_samples(tmp_path, monkeypatch):
         assert all(np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
                    for a, b in zip(back, samples[i::2]))
     store = str(tmp_path / "h.zarr")
-    st.create_or_open_store(store, build_provenance(cfg, tok, samples, 2, "test"))
+    create_or_open_store(store, build_provenance(cfg, tok, samples, 2, "test"))
     resolved = config_from_dict(yaml.safe_load(dump_config(cfg)), "resolved")
     resolved.data.train_files = [str(tmp_path / "gone.jsonl")]  # a worker that read the data would fail here
     monkeypatch.setattr(w, "die_with_parent", lambda: None)

@@ -10,6 +10,7 @@ import torch
 
 from data.follow import GrowingStore
 from pipeline import store as st
+from pipeline.provenance import create_or_open_store
 from pipeline.encoding import encode
 
 PROV = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_size": 32, "vocab_size": 100,
@@ -29,7 +30,7 @@ def _write(w: st.ShardWriter, rows: list[tuple[int, int, int]]) -> None:
 
 def test_growing_store_reads_committed_rows_in_stream_order(tmp_path):
     path = str(tmp_path / "s.zarr")
-    st.create_or_open_store(path, PROV)
+    create_or_open_store(path, PROV)
     g = GrowingStore(path, report=False)
     assert g.stream == [] and not g.final and not g.validation_ready() and g.blocked == 0 and g.planned == 8
     w0, w1 = st.ShardWriter(path, 0, PROV), st.ShardWriter(path, 1, PROV)
@@ -93,7 +94,7 @@ def test_shuffle_buffer_draws_every_sample_once_from_its_window(n, size, buffer)
 
 def test_a_shard_of_an_older_plan_is_refused_until_it_finishes(tmp_path):
     path = str(tmp_path / "s.zarr")
-    st.create_or_open_store(path, PROV)
+    create_or_open_store(path, PROV)
     w0 = st.ShardWriter(path, 0, PROV)
     w0.start("p0", 5, 500)  # no validation_batches: started by a dflash that planned longest first
     _write(w0, [(100, 0, 10)])

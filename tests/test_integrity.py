@@ -24,7 +24,8 @@ import torch
 from data.store_dataset import StoreDataset, worker_init
 from pipeline import store as st
 from pipeline.encoding import encode
-from pipeline.provenance import check_frozen_head, start_frozen_head_check, target_differences, write_frozen_head
+from pipeline.provenance import (check_frozen_head, create_or_open_store, start_frozen_head_check,
+                                 target_differences, write_frozen_head)
 from pipeline.store_lock import ShardLock, ShardLockedError, lock_path, machine_id
 from stages.verify import verify_store
 
@@ -68,7 +69,7 @@ def store(tmp_path_factory):
     """12 samples in one shard, all "train" (an all-zero split chunk) and a first sample whose 300-token prompt
     makes loss_mask chunks 0 and 1 all zero: zarr's default leaves such chunks out, and the store must not."""
     path = str(tmp_path_factory.mktemp("integrity") / "s.zarr")
-    st.create_or_open_store(path, _prov())
+    create_or_open_store(path, _prov())
     g = torch.Generator().manual_seed(0)
     lengths = [320] + [int(n) for n in torch.randint(40, 200, (11,), generator=g)]
     with st.ShardWriter(path, 0, _prov()) as w:
@@ -247,7 +248,7 @@ def test_a_store_from_before_the_checksums_stays_readable(copy):
 
 def test_stale_partial_files_are_reported_and_removed_on_resume(tmp_path):
     path = str(tmp_path / "p.zarr")
-    st.create_or_open_store(path, _prov())
+    create_or_open_store(path, _prov())
     g = torch.Generator().manual_seed(0)
     with st.ShardWriter(path, 0, _prov()) as w:
         w.start("plan", 3, 300)
@@ -268,7 +269,7 @@ def test_stale_partial_files_are_reported_and_removed_on_resume(tmp_path):
 
 def _fresh(tmp_path, name="w.zarr") -> str:
     path = str(tmp_path / name)
-    st.create_or_open_store(path, _prov())
+    create_or_open_store(path, _prov())
     return path
 
 

@@ -1,5 +1,6 @@
 """The import graph of the three top-level packages: no import circle, and no import from a lower floor to a higher
-one (`pipeline` < `data` < `stages`: the library, the data layer, the commands).
+one (`pipeline` < `data` < `stages`: the library, the data layer, the commands); and zarr imported by the store
+layer only (`STORE_LAYER`: every other module reads and writes the store through pipeline/store.py).
 
 Every import counts, a lazy one inside a function too: a lazy import only hides a circle from the interpreter, not
 from the reader. Read with `ast` from the source files, so the test needs no import of the modules themselves.
@@ -14,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOORS = ("pipeline", "data", "stages")  # lowest first
+STORE_LAYER = {"pipeline.store", "pipeline.store_lock"}  # the only modules that may import zarr
 
 
 def _module_name(path: Path) -> str:
@@ -41,6 +43,32 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
                 targets.update(f"{base}.{a.name}" for a in node.names)
         graph[name] = {t for t in targets if t in files and t != name}
     return graph
+
+
+def _names_zarr(name: str) -> bool:
+    return name == "zarr" or name.startswith("zarr.")
+
+
+def zarr_importers(root: Path = ROOT) -> set[str]:
+    """Modules of the three packages that import zarr anywhere in the file: `import zarr[.x]`, `from zarr[.x] import
+    ...`, at the top or inside a function, or by name (`importlib.import_module("zarr")`, `__import__("zarr")`)."""
+    found = set()
+    for pkg in FLOORS:
+        for f in sorted((root / pkg).glob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+                if isinstance(node, ast.Import):
+                    hit = any(_names_zarr(a.name) for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    hit = node.level == 0 and _names_zarr(node.module or "")
+                elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                    fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                    hit = (fn in ("import_module", "__import__") and isinstance(node.args[0].value, str)
+                           and _names_zarr(node.args[0].value))
+                else:
+                    hit = False
+                if hit:
+                    found.add(_module_name(f))
+    return found
 
 
 def floor_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -122,3 +150,24 @@ def test_the_checks_find_what_they_look_for(tmp_path, files, expect_circle, expe
     graph = import_graph(tmp_path)
     assert circles(graph) == expect_circle
     assert floor_violations(graph) == expect_up
+
+
+def test_only_the_store_layer_imports_zarr():
+    bad = sorted(zarr_importers() - STORE_LAYER)
+    assert not bad, ("modules that import zarr outside the store layer (read and write the store through "
+                     "pipeline/store.py's functions instead): " + ", ".join(bad))
+
+
+def test_the_zarr_check_finds_every_form_of_import(tmp_path):
+    """On a made-up tree: a top-level import, one inside a function, `from zarr.x import`, an import by name; the
+    store module's own import, a module named like zarr (`zarrlike`) and a relative `from .zarr` are not hits."""
+    files = {"pipeline/store.py": "import zarr\n", "pipeline/a.py": "def f():\n    import zarr\n",
+             "pipeline/b.py": "import zarrlike\nfrom .zarr import x\n",
+             "data/d.py": "from zarr.codecs import BloscCodec\n",
+             "stages/s.py": "import importlib\nz = importlib.import_module('zarr')\n",
+             "stages/t.py": "import os, zarr.storage as zs\n", "stages/u.py": "x = __import__('zarr')\n"}
+    for pkg in FLOORS:
+        (tmp_path / pkg).mkdir()
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    assert zarr_importers(tmp_path) - STORE_LAYER == {"pipeline.a", "data.d", "stages.s", "stages.t", "stages.u"}

@@ -20,6 +20,7 @@ import zarr
 
 from helpers_cli import HANG_S, TINY, TINY_STORE_OPTS, dflash
 from pipeline import store as st
+from pipeline.provenance import create_or_open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -70,7 +71,7 @@ def test_status_names_each_shards_host_rate_and_eta_while_nodes_write(tmp_path):
             "num_hidden_layers": 2, "tie_word_embeddings": False}, "layer_ids": [1], "hidden_size": 8,
             "encoding": "bf16", "chunk_tokens": 64, "clevel": 1, "num_shards": 2,
             "dataset": {"fingerprint": "t", "validation_samples": 0}, "max_length": 64}
-    st.create_or_open_store(path, prov)
+    create_or_open_store(path, prov)
     writers = []
     for i in range(2):
         w = st.ShardWriter(path, i, prov)

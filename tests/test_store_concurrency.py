@@ -20,6 +20,7 @@ import pytest
 import zarr
 
 from pipeline import store as st
+from pipeline.provenance import create_or_open_store
 
 from helpers_cli import HANG_S, dflash  # noqa: E402
 
@@ -88,7 +89,7 @@ def test_a_shard_held_on_another_node_is_refused_by_shard_index(tmp_path):
     cfg = load_config(TINY, ["data.max_samples=150", "extract.token_budget=512"])
     tok = load_tokenizer(cfg.target.path)
     samples, _ = ingest(cfg.data, tok)
-    st.create_or_open_store(str(store), build_provenance(cfg, tok, samples, 2, "the other node"))  # it made the store
+    create_or_open_store(str(store), build_provenance(cfg, tok, samples, 2, "the other node"))  # it made the store
     lock = store / "locks" / "shard-00001.lock"
     lock.parent.mkdir(parents=True)
     lock.write_text(json.dumps({"token": "x", "host": "gpu-node-7", "machine": "elsewhere", "pids": [[4242, None]],
