@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -329,9 +328,9 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
     import lightning as L
 
     from stages.best_checkpoint import BestCheckpoint
-    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC, StopRequest,
-                                 ValidateAtEnd, ValidateSkippedOnResume, resumable_csv_logger, save_final,
-                                 stopped_by_user)
+    from stages.progress import (FinalCheckpoint, ProgressLines, ValidateAtEnd, ValidateSkippedOnResume,
+                                 resumable_csv_logger, save_final)
+    from stages.train_stop import ForceOnSecondCtrlC, SigtermLikeCtrlC, StopRequest, end_stopped_run, stopped_by_user
     from stages.train_ckpt_io import AsyncCheckpointIO, LinkAfterWrite, wait_for_checkpoints
     from stages.train_task import DrafterTask
     from pipeline.quiet_log import quiet_third_party
@@ -464,27 +463,7 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
                 if lost_peer(e):
                     exit_lost_peer(e, trainer, top, ckpt_dir, resume_command(command))
             raise
-        if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # a collective or loader the stop cut short
-            print(f"train: {type(e).__name__} while stopping after {StopRequest.reason} (a consequence of the "
-                  f"stop): {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-            starter = getattr(trainer.strategy, "launcher", None)  # Lightning's, which started the other ranks
-            if hasattr(starter, "kill"):
-                starter.kill(signal.SIGKILL)  # the ranks it started, as Lightning's own Ctrl-C path does
-        try:
-            wait_for_checkpoints(trainer)  # a checkpoint being written when the stop came is kept whole
-        except Exception as w:  # noqa: BLE001  its temporary file is gone; the previous checkpoint is kept
-            print(f"train: the checkpoint being written when the run stopped failed: {w}", file=sys.stderr)
-        hint = resume_command(command)
-        print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
-              f"resume with: {hint}", file=sys.stderr)
-        if not launcher:  # a rank Lightning started: the launcher ends it (a rank leaving first had every
-            return 130    # process SIGKILLed by the launcher's observer: -9)
-        # the job's process: the stop is complete and nothing is left to write, so leave now. Python's
-        # finalisation puts SIGINT back to its default, and a second Ctrl-C landing in it ended the job with -2
-        # instead of 130 (CI)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        return end_stopped_run(e, trainer, launcher=launcher, ckpt_dir=ckpt_dir, hint=resume_command(command))
     if not final.saved:  # fit returned without on_train_end (nothing to train: resumed at the last step)
         wait_for_checkpoints(trainer, sync=True)
         save_final(trainer, checkpoint, checkpoint_path)
