@@ -433,6 +433,16 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+def write_config(cfg: Config, path: Path) -> Path:
+    """Write the resolved config (every --set applied, paths absolute) where `load_config` reads it back as the
+    same config: the one shape a parent hands its workers (`--config FILE`, no --set strings). Atomic."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump_config(cfg))
+    tmp.replace(path)
+    return path
+
+
 def build_target_layer_ids(num_layers: int, n: int) -> list[int]:
     """The DFlash rule: [L//2] for one layer, else round(1 + i*(L-4)/(n-1)). Id k = output of decoder layer k."""
     if n <= 0:

@@ -161,8 +161,8 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 
     cfg = _load(config_path, overrides)
     servers = tuple(u for s in servers for u in s.split(",") if u.strip())
-    _run(run_regenerate, cfg, config_path, list(overrides), list(prompts), out, shards, _gpu_list(gpus), servers,
-         _command_line())
+    _run(run_regenerate, cfg, prompts=list(prompts), out=out, shards=shards, gpus=_gpu_list(gpus), servers=servers,
+         command=_command_line())
 
 
 @main.command()

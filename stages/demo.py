@@ -57,8 +57,7 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
     prompts = [*cfg.data.train_files, *cfg.data.validation_files]
     log(f"demo [1/5] regenerate: the target answers the prompts of {', '.join(Path(f).name for f in prompts)} "
         f"itself ({cfg.extract.shards} shards) -> {regen}")
-    rc = run_regenerate(cfg, config_path, all_overrides, prompts, str(regen), shards=cfg.extract.shards,
-                        command=command)
+    rc = run_regenerate(cfg, prompts=prompts, out=str(regen), shards=cfg.extract.shards, command=command)
     times["regenerate"] = time.perf_counter() - t_start
     if rc:
         log(f"demo: regeneration stopped (exit {rc}); rerun `{command}` to resume")
