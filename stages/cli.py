@@ -184,8 +184,7 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
               metavar="EXPORT_DIR", help="Start a new run from an exported drafter's weights (RUN/export or a published "
               "DFlash checkpoint) with a fresh optimizer and schedule; unlike --resume, which continues this run.")
-def train(config_path, overrides, gpus, devices, num_nodes, store, resume, no_export, rebuild_compile_cache, follow,
-          init_from):
+def train(config_path, overrides, gpus, no_export, **options):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
@@ -197,9 +196,9 @@ def train(config_path, overrides, gpus, devices, num_nodes, store, resume, no_ex
     from stages.train import run_train
 
     cfg = _load(config_path, overrides)
-    gpu_list = _gpu_list(gpus)
-    _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
-         rebuild_compile_cache=rebuild_compile_cache, follow=follow, init_from=init_from, num_nodes=num_nodes)
+    # every other option reaches run_train under its own name: a new flag is its option here and run_train's
+    # parameter (and, for `dflash run`, a line in stages/run.py's TRAIN_FORWARDED or TRAIN_NOT_FORWARDED)
+    _run(run_train, cfg, gpus=_gpu_list(gpus), export=not no_export, command=_command_line(), **options)
 
 
 @main.command("run")
@@ -220,7 +219,8 @@ def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
     from stages.run import run_node
 
     cfg = _load(config_path, overrides)
-    _run(run_node, cfg, config_path, list(overrides), extract_gpus, train_gpus, devices, store, _command_line())
+    _run(run_node, cfg, config_path=config_path, overrides=list(overrides), extract_gpus=extract_gpus,
+         train_gpus=train_gpus, devices=devices, store=store, command=_command_line())
 
 
 @main.command()

@@ -89,7 +89,7 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
         from stages.train_startup import begin
 
         begin()  # the start-up line counts from here, not from the demo's start
-        rc = run_train(cfg, store, None, None, resume, command, export=True)
+        rc = run_train(cfg, store=store, resume=resume, command=command, export=True)
         if rc:
             return rc
     times["train"] = time.perf_counter() - t0

@@ -219,21 +219,31 @@ def _compile_cache(cfg: Config, rebuild: bool, report: bool) -> Path:
     return d
 
 
-def resume_command(command: str) -> str:
-    """The command that resumes a stopped run: the same one with --resume, without --init-from (the run's weights
-    are in its checkpoint now, and the two flags are refused together)."""
-    import shlex
+# `dflash train` options a later start of the same run does not repeat, each with whether it takes a value:
+# --init-from (the run's weights are in its checkpoint now, and the two flags are refused together)
+NOT_RESUMED = {"--init-from": True}
 
-    words, out = shlex.split(command), []
-    skip = False
+
+def resume_argv(words: list[str]) -> list[str]:
+    """A `dflash train` command line that resumes its run: the same words without the options a resume does not
+    repeat (NOT_RESUMED), with --resume (added at the end when missing). The resume hint of a stopped run
+    (`resume_command`) and `dflash run`'s training child (stages/run.py) are both made by it."""
+    out, skip = [], False
     for w in words:
         if skip:
             skip = False
-        elif w == "--init-from":
-            skip = True
-        elif not w.startswith("--init-from="):
+        elif w in NOT_RESUMED:
+            skip = NOT_RESUMED[w]
+        elif not any(w.startswith(f"{flag}=") for flag in NOT_RESUMED):
             out.append(w)
-    return shlex.join(out if "--resume" in out else out + ["--resume"])
+    return out if "--resume" in out else out + ["--resume"]
+
+
+def resume_command(command: str) -> str:
+    """The command that resumes a stopped run (`resume_argv` of `command`)."""
+    import shlex
+
+    return shlex.join(resume_argv(shlex.split(command)))
 
 
 def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
@@ -250,9 +260,10 @@ def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
                        gradient_as_bucket_view=t.ddp_gradient_as_bucket_view, static_graph=t.ddp_static_graph, **timeout)
 
 
-def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
-              command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False,
-              init_from: Optional[str] = None, num_nodes: Optional[int] = None) -> int:
+def run_train(cfg: Config, *, store: Optional[str] = None, gpus: Optional[list[int]] = None,
+              devices: Optional[int] = None, resume: bool = False, command: str = "dflash train", export: bool = True,
+              rebuild_compile_cache: bool = False, follow: bool = False, init_from: Optional[str] = None,
+              num_nodes: Optional[int] = None) -> int:
     """`dflash train`; a disk that fills (a checkpoint, the logs, the export) ends it with one line naming the
     disk and the resume command (pipeline.preflight.DiskFull, exit 2), not Lightning's traceback."""
     from pipeline.preflight import DiskFull, disk_full_error, disk_full_message
