@@ -422,6 +422,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def resolve_config(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
+                   run_config: Optional[Path] = None, embedded: Optional[dict] = None,
+                   embedded_source: str = "(embedded config)") -> tuple[Config, str]:
+    """The config of a command that reads a trained drafter (`dflash eval`), and where it came from: `--config`
+    when given; else the run's RUN/config.yaml (`run_config`, when it exists); else the config a checkpoint
+    carries (`embedded`, named `embedded_source`); else the shipped tiny config. `--set` overrides apply to
+    whichever it is."""
+    if config_path:
+        return load_config(config_path, overrides), str(config_path)
+    if run_config is not None and Path(run_config).exists():
+        return load_config(run_config, overrides), str(run_config)
+    if embedded is not None:
+        import json
+
+        raw = json.loads(json.dumps(embedded))  # a copy: the checkpoint's dict stays as it was
+        for text in overrides:
+            section, name, value = parse_override(text)
+            if section not in raw:
+                raise ConfigError(f"--set {text!r}: unknown section '{section}'")
+            raw[section][name] = value
+        return config_from_dict(raw, source=embedded_source), embedded_source
+    return load_config(None, overrides), "configs/tiny.yaml (default)"
+
+
 def _resolve_target(value: str, base: Path) -> str:
     if value.startswith("builtin:") or value.startswith(".") or Path(value).is_absolute():
         return resolve_path(value, base)

@@ -34,7 +34,7 @@ DEMO_OVERRIDES: list[str] = [
 ]
 
 
-def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: bool = False,
+def run_demo(out: str = "runs/demo", *, overrides: list[str] | tuple = (), fresh: bool = False,
              command: str = "dflash demo") -> int:
     from stages.eval import run_eval
     from stages.extract import run_extract
