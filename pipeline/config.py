@@ -432,6 +432,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def resolve_config(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
+                   run_config: Optional[Path] = None, embedded: Optional[dict] = None,
+                   embedded_source: str = "(embedded config)") -> tuple[Config, str]:
+    """The config of a command that reads a trained drafter (`dflash eval`), and where it came from: `--config`
+    when given; else the run's RUN/config.yaml (`run_config`, when it exists); else the config a checkpoint
+    carries (`embedded`, named `embedded_source`); else the shipped tiny config. `--set` overrides apply to
+    whichever it is."""
+    if config_path:
+        return load_config(config_path, overrides), str(config_path)
+    if run_config is not None and Path(run_config).exists():
+        return load_config(run_config, overrides), str(run_config)
+    if embedded is not None:
+        import json
+
+        raw = json.loads(json.dumps(embedded))  # a copy: the checkpoint's dict stays as it was
+        for text in overrides:
+            section, name, value = parse_override(text)
+            if section not in raw:
+                raise ConfigError(f"--set {text!r}: unknown section '{section}'")
+            raw[section][name] = value
+        return config_from_dict(raw, source=embedded_source), embedded_source
+    return load_config(None, overrides), "configs/tiny.yaml (default)"
+
+
 def _resolve_target(value: str, base: Path) -> str:
     if value.startswith("builtin:") or value.startswith(".") or Path(value).is_absolute():
         return resolve_path(value, base)
@@ -441,6 +465,16 @@ def _resolve_target(value: str, base: Path) -> str:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def write_config(cfg: Config, path: Path) -> Path:
+    """Write the resolved config (every --set applied, paths absolute) where `load_config` reads it back as the
+    same config: the one shape a parent hands its workers (`--config FILE`, no --set strings). Atomic."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump_config(cfg))
+    tmp.replace(path)
+    return path
 
 
 def build_target_layer_ids(num_layers: int, n: int) -> list[int]:

@@ -4,6 +4,7 @@ Contract:
 - `check_gpus_free(gpus, need_gib)` reads `nvidia-smi` (no CUDA context is created in the caller) and raises
   `PreflightError` naming each GPU that does not exist or whose free memory is below what the job needs,
   with the processes holding it. Without nvidia-smi (CPU machines) it checks nothing.
+  `target_gib(path)`: the GiB of a local target's weight files, what each worker loading it needs.
 - `disk_warning(path, bytes_needed)` returns a warning line when the filesystem of a local store has less
   free space than the estimate, else None.
 - `disk_full_error(exc)` is the ENOSPC/EDQUOT OSError anywhere in an exception's chain (Lightning wraps and
@@ -82,6 +83,12 @@ def physical_gpu(g: int) -> str:
         raise PreflightError(f"GPU {g} is not visible: CUDA_VISIBLE_DEVICES={visible} shows {len(ids)} GPU(s), "
                              f"indices 0..{len(ids) - 1}")
     return ids[g]
+
+
+def target_gib(path: str) -> float:
+    """GiB of a local checkpoint's safetensors files (0 for a hub id): what a worker loading it needs on its GPU."""
+    d = Path(path)
+    return sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**30 if d.is_dir() else 0.0
 
 
 def check_gpus_free(gpus: list[int], need_gib: float) -> None:

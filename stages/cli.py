@@ -14,6 +14,7 @@ import click
 
 from pipeline.config import CONFIGS_DIR, ConfigError, load_config
 from pipeline.encoding import ENCODINGS
+from pipeline.lifecycle import ExitCode
 
 DEFAULT_CONFIG = str(CONFIGS_DIR / "tiny.yaml")
 
@@ -72,11 +73,11 @@ def _run(fn, *args, **kwargs) -> None:
         code = fn(*args, **kwargs)
     except (UserError, FileNotFoundError) as e:
         click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        sys.exit(ExitCode.USAGE)
     except NonFiniteLoss as e:  # training diverged: not a usage error, but no traceback helps either
         click.echo(f"error: {e}", err=True)
-        sys.exit(1)
-    sys.exit(code or 0)
+        sys.exit(ExitCode.FAILED)
+    sys.exit(code or ExitCode.OK)
 
 
 config_option = click.option("--config", "config_path", default=DEFAULT_CONFIG, show_default="configs/tiny.yaml",
@@ -90,7 +91,7 @@ def _load(config_path: str, overrides) -> "object":
         return load_config(config_path, list(overrides))
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        sys.exit(ExitCode.USAGE)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -128,7 +129,7 @@ def extract(config_path, overrides, shards, gpus, shard_index, store, plan):
 
         if shards is None and gpus:
             shards = len([g for g in gpus.split(",") if g.strip()])
-        _run(run_plan, cfg, store, shards, shard_index)
+        _run(run_plan, cfg, store=store, shards=shards, shard_index=shard_index)
     from stages.extract import run_extract
 
     _run(run_extract, cfg, shards=shards, gpus=_gpu_list(gpus), shard_index=shard_index, store=store,
@@ -161,8 +162,8 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 
     cfg = _load(config_path, overrides)
     servers = tuple(u for s in servers for u in s.split(",") if u.strip())
-    _run(run_regenerate, cfg, config_path, list(overrides), list(prompts), out, shards, _gpu_list(gpus), servers,
-         _command_line())
+    _run(run_regenerate, cfg, prompts=list(prompts), out=out, shards=shards, gpus=_gpu_list(gpus), servers=servers,
+         command=_command_line())
 
 
 @main.command()
@@ -184,8 +185,7 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
               metavar="EXPORT_DIR", help="Start a new run from an exported drafter's weights (RUN/export or a published "
               "DFlash checkpoint) with a fresh optimizer and schedule; unlike --resume, which continues this run.")
-def train(config_path, overrides, gpus, devices, num_nodes, store, resume, no_export, rebuild_compile_cache, follow,
-          init_from):
+def train(config_path, overrides, gpus, no_export, **options):
     """Stage two: train the drafter from the store alone (Lightning DDP), then export it.
 
     `--gpus 5,6,7` runs one process per named GPU; with no GPU, `--devices N` runs N CPU processes over gloo.
@@ -197,9 +197,9 @@ def train(config_path, overrides, gpus, devices, num_nodes, store, resume, no_ex
     from stages.train import run_train
 
     cfg = _load(config_path, overrides)
-    gpu_list = _gpu_list(gpus)
-    _run(run_train, cfg, store, gpu_list, devices, resume, _command_line(), export=not no_export,
-         rebuild_compile_cache=rebuild_compile_cache, follow=follow, init_from=init_from, num_nodes=num_nodes)
+    # every other option reaches run_train under its own name: a new flag is its option here and run_train's
+    # parameter (and, for `dflash run`, a line in stages/run.py's TRAIN_FORWARDED or TRAIN_NOT_FORWARDED)
+    _run(run_train, cfg, gpus=_gpu_list(gpus), export=not no_export, command=_command_line(), **options)
 
 
 @main.command("run")
@@ -220,7 +220,8 @@ def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
     from stages.run import run_node
 
     cfg = _load(config_path, overrides)
-    _run(run_node, cfg, config_path, list(overrides), extract_gpus, train_gpus, devices, store, _command_line())
+    _run(run_node, cfg, config_path=config_path, overrides=list(overrides), extract_gpus=extract_gpus,
+         train_gpus=train_gpus, devices=devices, store=store, command=_command_line())
 
 
 @main.command()
@@ -235,7 +236,7 @@ def export(checkpoint, out, sglang, dtype, which):
     directory SGLang, vLLM and transformers load."""
     from stages.export import run_export
 
-    _run(run_export, checkpoint, out, which, sglang, dtype)
+    _run(run_export, checkpoint, out=out, which=which, for_sglang=sglang, dtype=dtype)
 
 
 @main.command()
@@ -276,7 +277,7 @@ def recode(src, dst, encoding, clevel, device):
     """Convert a finished store SRC to another feature encoding in DST, without the target. Resumable."""
     from stages.recode import run_recode
 
-    _run(run_recode, src, dst, encoding, clevel, device)
+    _run(run_recode, src, dst=dst, encoding=encoding, clevel=clevel, device=device)
 
 
 @main.command("eval")
@@ -303,7 +304,8 @@ def eval_(drafter, config_path, overrides, store, online, out, device, cache, ma
     """
     from stages.eval import run_eval
 
-    _run(run_eval, drafter, config_path, list(overrides), store, online, out, device, cache, max_samples, threads)
+    _run(run_eval, drafter, config_path=config_path, overrides=list(overrides), store=store, online=online, out=out,
+         device=device, cache=cache, max_samples=max_samples, threads=threads)
 
 
 @main.command()
@@ -316,7 +318,7 @@ def demo(out, overrides, fresh):
     train -> export -> offline and online eval. Prints where everything went and the tau reached."""
     from stages.demo import run_demo
 
-    _run(run_demo, out, list(overrides), fresh, _command_line())
+    _run(run_demo, out, overrides=list(overrides), fresh=fresh, command=_command_line())
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ DEMO_OVERRIDES: list[str] = [
 ]
 
 
-def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: bool = False,
+def run_demo(out: str = "runs/demo", *, overrides: list[str] | tuple = (), fresh: bool = False,
              command: str = "dflash demo") -> int:
     from stages.eval import run_eval
     from stages.extract import run_extract
@@ -57,8 +57,7 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
     prompts = [*cfg.data.train_files, *cfg.data.validation_files]
     log(f"demo [1/5] regenerate: the target answers the prompts of {', '.join(Path(f).name for f in prompts)} "
         f"itself ({cfg.extract.shards} shards) -> {regen}")
-    rc = run_regenerate(cfg, config_path, all_overrides, prompts, str(regen), shards=cfg.extract.shards,
-                        command=command)
+    rc = run_regenerate(cfg, prompts=prompts, out=str(regen), shards=cfg.extract.shards, command=command)
     times["regenerate"] = time.perf_counter() - t_start
     if rc:
         log(f"demo: regeneration stopped (exit {rc}); rerun `{command}` to resume")
@@ -90,7 +89,7 @@ def run_demo(out: str = "runs/demo", overrides: list[str] | tuple = (), fresh: b
         from stages.train_startup import begin
 
         begin()  # the start-up line counts from here, not from the demo's start
-        rc = run_train(cfg, store, None, None, resume, command, export=True)
+        rc = run_train(cfg, store=store, resume=resume, command=command, export=True)
         if rc:
             return rc
     times["train"] = time.perf_counter() - t0

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from pipeline import store as st
 from pipeline.acceptance import AcceptanceStats, acceptance_lengths, checkpoint_val_tau, histogram, mean_length
-from pipeline.config import Config, ConfigError, config_from_dict, load_config, parse_override
+from pipeline.config import Config, resolve_config
 from pipeline.drafter import draft_blocks
 from pipeline.encoding import decode, from_storage, part_names
 from pipeline.masks import anchor_candidates
@@ -115,24 +115,6 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
 
 def _looks_like_run(d: Path) -> bool:
     return (d / "config.yaml").exists() or (d / "logs" / "metrics.csv").exists()
-
-
-def resolve_config(src: DrafterSource, config_path: Optional[str], overrides: list[str]) -> tuple[Config, str]:
-    """--config if given; else the run's config.yaml; else the checkpoint's embedded config; else tiny."""
-    if config_path:
-        return load_config(config_path, overrides), config_path
-    if src.run_dir is not None and (src.run_dir / "config.yaml").exists():
-        path = src.run_dir / "config.yaml"
-        return load_config(path, overrides), str(path)
-    if src.config is not None:
-        raw = json.loads(json.dumps(src.config))
-        for text in overrides:
-            section, name, value = parse_override(text)
-            if section not in raw:
-                raise ConfigError(f"--set {text!r}: unknown section '{section}'")
-            raw[section][name] = value
-        return config_from_dict(raw, source=f"{src.path} (embedded config)"), f"{src.path} (embedded config)"
-    return load_config(None, overrides), "configs/tiny.yaml (default)"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -296,14 +278,16 @@ def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:
     return cfg.store.path
 
 
-def run_eval(drafter_path: str, config_path: Optional[str] = None, overrides: list[str] | tuple = (),
+def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides: list[str] | tuple = (),
              store: Optional[str] = None, online: bool = False, out: Optional[str] = None,
              device: Optional[str] = None, cache: str = "auto", max_samples: Optional[int] = 1000,
              threads: Optional[int] = None) -> int:
     overrides = list(overrides)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     drafter, src = load_drafter(drafter_path, "cpu", torch.float32)
-    cfg, cfg_source = resolve_config(src, config_path, overrides)
+    cfg, cfg_source = resolve_config(config_path, overrides,  # --config, else the run's, else the checkpoint's, else tiny
+                                     run_config=src.run_dir / "config.yaml" if src.run_dir is not None else None,
+                                     embedded=src.config, embedded_source=f"{src.path} (embedded config)")
     arch = drafter.arch
     out_dir = Path(out) if out else ((src.run_dir / "eval") if src.run_dir else Path("runs/eval"))
     report: dict = {

@@ -63,7 +63,8 @@ def checkpoint_kind(path: Path) -> str:
     return "step"
 
 
-def run_export(path: str, out: str, which: str | None, for_sglang: bool, dtype: str) -> int:
+def run_export(path: str, *, out: str, which: str | None = None, for_sglang: bool = False,
+               dtype: str = "bfloat16") -> int:
     """`dflash export PATH OUT`: PATH is a checkpoint file, or a run directory (its best checkpoint by val tau
     unless which="last"); prints which checkpoint was exported and why."""
     from stages.best_checkpoint import resolve_checkpoint

@@ -13,23 +13,20 @@ Contract:
   shards on its own GPUs (the j-th shard of the set on the j-th GPU, or on `--gpus`' j-th entry).
 - The parent prints live progress (per shard and total samples, tokens, tokens/s, ETA): a redrawn line on a
   terminal, plain periodic lines otherwise. Workers' stderr goes to STORE/logs/extract-shard-NNNNN.log.
-- A failing worker stops the others (SIGTERM, then SIGKILL), and the command exits 1 naming the shard, its
-  error and how to resume. Ctrl-C/SIGTERM stops all workers after their current commit (exit 130); a second
-  Ctrl-C kills them at once. Rerunning the same command resumes from every shard's last commit.
+- The workers run under `pipeline.lifecycle.Supervisor`. A failing worker stops the others (SIGTERM, then
+  SIGKILL), and the command exits 1 naming the shard, its error and how to resume. Ctrl-C/SIGTERM stops all
+  workers after their current commit (exit 130); a second Ctrl-C kills them at once. Rerunning the same
+  command resumes from every shard's last commit.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +35,7 @@ from pipeline import store as st
 from pipeline.config import Config
 from pipeline.encoding import raw_bytes_per_token
 from pipeline.errors import UserError
+from pipeline.lifecycle import ExitCode, Supervisor, failure_reason, fmt_eta, fmt_rate, place_shards
 from pipeline.target import load_tokenizer
 
 
@@ -56,17 +54,6 @@ def _log_dir(store: str) -> Path:
     d = Path(store) / "logs" if st.is_local(store) else Path("dflash-logs")
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def _fmt_rate(x: float) -> str:
-    return f"{x / 1000:.1f}K" if x >= 1000 else f"{x:.0f}"
-
-
-def _fmt_eta(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 class Monitor:
@@ -118,7 +105,7 @@ class Monitor:
             per = " ".join(
                 f"[{i}] {100 * s.get('tokens', 0) / max(1, s.get('planned_tokens', 1)):.0f}%" for i, s in self.state.items()
             )
-        return f"extract: {smp}/{psmp} samples, {tok}/{ptok} tokens, {_fmt_rate(rate)} tok/s, ETA {_fmt_eta(eta)}  {per}"
+        return f"extract: {smp}/{psmp} samples, {tok}/{ptok} tokens, {fmt_rate(rate)} tok/s, ETA {fmt_eta(eta)}  {per}"
 
     def maybe_print(self, force: bool = False, status_file: Optional[Path] = None, state: str = "running",
                     error: str = "") -> None:
@@ -164,38 +151,10 @@ def parse_shard_set(value, num_shards: int) -> Optional[list[int]]:
 
 
 def shard_gpus(gpus: Optional[list[int]], num_shards: int, shard_index, n_gpu: int) -> dict[int, int]:
-    """Which GPU (index among the visible ones) each shard to run gets. All shards: --gpus in order, default
-    0..shards-1. One shard (--shard-index, e.g. under a scheduler): the single --gpus entry, default the first
-    visible GPU (or the shard's entry of a --gpus list with one GPU per shard). A set of shards (one node's):
-    the j-th shard on --gpus' j-th entry, default the j-th visible GPU. More shards than visible GPUs and no
-    --gpus: the shards take the GPUs in turn (several workers on one GPU; the memory check counts them)."""
-    if not n_gpu:
-        if gpus:
-            raise ExtractError(f"--gpus {','.join(map(str, gpus))}: this process sees no CUDA GPU (CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); leave --gpus out to run on the CPU")
-        return {}
-    shard_set = parse_shard_set(shard_index, num_shards)
-    if shard_set is not None and len(shard_set) > 1:
-        if gpus is not None and len(gpus) != len(shard_set):
-            raise ExtractError(f"--shard-index {','.join(map(str, shard_set))} runs {len(shard_set)} shards here: give "
-                               f"--gpus {len(shard_set)} GPUs (the j-th shard on the j-th), or leave --gpus out (GPUs "
-                               f"0..{len(shard_set) - 1}); it names {len(gpus)}: {gpus}")
-        chosen = {i: (gpus[j] if gpus is not None else j % n_gpu) for j, i in enumerate(shard_set)}
-    elif shard_set is not None:
-        shard_index = shard_set[0]
-        if gpus is not None and len(gpus) not in (1, num_shards):
-            raise ExtractError(f"--shard-index runs one shard: give --gpus one GPU (or one per shard); it names "
-                               f"{len(gpus)}: {gpus}")
-        chosen = {shard_index: (gpus or [0])[shard_index if gpus and len(gpus) > 1 else 0]}
-    else:
-        gpus = [i % n_gpu for i in range(num_shards)] if gpus is None else gpus
-        if len(gpus) < num_shards:
-            raise ExtractError(f"--shards {num_shards} needs {num_shards} GPUs but --gpus names {len(gpus)}: {gpus}")
-        chosen = dict(enumerate(gpus[:num_shards]))
-    bad = sorted({g for g in chosen.values() if g >= n_gpu})
-    if bad:
-        raise ExtractError(f"--gpus {bad}: this process sees {n_gpu} GPU(s) (0..{n_gpu - 1})")
-    return chosen
+    """Which GPU each shard to run gets (`pipeline.lifecycle.place_shards`: --gpus, --shards and the shard
+    set of --shard-index), a misfit as an ExtractError naming the fix."""
+    shard_set = parse_shard_set(shard_index, num_shards) if n_gpu else None
+    return place_shards(gpus, num_shards, n_gpu, shard_set, error=ExtractError)
 
 
 def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[list[int]] = None,
@@ -220,34 +179,36 @@ def run_extract(cfg: Config, *, shards: Optional[int] = None, gpus: Optional[lis
     if all(s.done for s in _shard_states(store_path) if s.index in todo):
         if st.exists(st.frozen_head_path(store_path)):
             print(f"extract: nothing to do, the store at {store_path} is already complete for shard(s) {todo}", file=sys.stderr)
-            return 0
+            return ExitCode.OK
         todo = todo[:1]  # a finished shard's worker writes the missing frozen head and stops
     locks = {lk.index: lk for lk in acquire_all(store_path, todo, command)}  # refused at once if another run holds one
-    procs: dict[int, subprocess.Popen] = {}
+    # a failing worker stops the others; Ctrl-C/SIGTERM: SIGTERM to every worker (it commits, exits 143), again: SIGKILL
+    workers = Supervisor(signals="terminate", quiet=(ExitCode.OK, ExitCode.WORKER_STOPPED))
     try:
         return _run_workers(cfg, num_shards, gpus, shard_set, store_path, command,
-                            provenance, samples, todo, locks, procs)
+                            provenance, samples, todo, locks, workers)
     finally:
-        _stop_all(procs, exclude=-1)  # (all have exited unless this process failed) no worker outlives its lock
+        workers.stop_all()  # (all have exited unless this process failed) no worker outlives its lock
         for lk in locks.values():
             lk.release()
 
 
 def _run_workers(cfg: Config, num_shards: int,
                  gpus: Optional[list[int]], shard_index: Optional[list[int]], store_path: str, command: str,
-                 provenance: dict, samples, todo: list[int], locks: dict, procs: dict) -> int:
+                 provenance: dict, samples, todo: list[int], locks: dict, workers: Supervisor) -> int:
     import torch
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu_of = shard_gpus(gpus, num_shards, shard_index, n_gpu)  # shard -> GPU index as this process sees it
+    # shard -> GPU index as this process sees it (`shard_index`: the set parse_shard_set made of --shard-index)
+    gpu_of = place_shards(gpus, num_shards, n_gpu, shard_index, error=ExtractError)
     if n_gpu:
-        from pipeline.preflight import check_gpus_free
+        from pipeline.preflight import check_gpus_free, target_gib
 
         placed = [gpu_of[i] for i in todo]
         if len(set(placed)) < len(placed):
             print(f"extract: {len(placed)} shards on {len(set(placed))} GPU(s) {sorted(set(placed))}; "
                   "--gpus or --shards changes that", file=sys.stderr)
-        check_gpus_free(placed, need_gib=_target_gib(cfg.target.path) + 8)
+        check_gpus_free(placed, need_gib=target_gib(cfg.target.path) + 8)
     _disk_check(store_path, provenance, samples, num_shards, todo)
     from pipeline.kernels import kernel_report
 
@@ -266,10 +227,9 @@ def _run_workers(cfg: Config, num_shards: int,
     cpu_threads = max(1, usable_cores() // len(todo))
     # the workers' one config and their samples, resolved and tokenised here once (not once more per worker)
     from data.ingest import save_shard_samples
-    from pipeline.config import dump_config
+    from pipeline.config import write_config
 
-    resolved = logs / "extract-config.yaml"
-    resolved.write_text(dump_config(cfg))
+    resolved = write_config(cfg, logs / "extract-config.yaml")
     for i in todo:
         save_shard_samples(samples, num_shards, i, logs / f"extract-samples-{i:05d}.npz")
     monitor = Monitor(todo)
@@ -277,7 +237,6 @@ def _run_workers(cfg: Config, num_shards: int,
     # sharing the store do not overwrite each other's; `dflash status` merges them
     status_file = logs / ("extract-status.json" if todo == list(range(num_shards))
                           else f"extract-status-from-{todo[0]:05d}.json")
-    readers = []
     for i in todo:
         env = dict(os.environ)
         if n_gpu:
@@ -289,69 +248,30 @@ def _run_workers(cfg: Config, num_shards: int,
         cmd = [sys.executable, "-m", "stages.extract_worker", "--config", str(resolved), "--samples",
                str(logs / f"extract-samples-{i:05d}.npz"), "--shard-index", str(i), "--shards", str(num_shards),
                "--store", store_path, "--threads", str(0 if n_gpu else cpu_threads), "--lock-token", locks[i].token]
-        log = open(logs / f"extract-shard-{i:05d}.log", "ab")
-        log.write(f"\n=== {datetime.now().isoformat()} {shlex.join(cmd)}\n".encode())
-        log.flush()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
-        procs[i] = p
+        p = workers.spawn(i, cmd, log=logs / f"extract-shard-{i:05d}.log", env=env,
+                          on_line=lambda line, i=i: monitor.feed(i, line))
         locks[i].add_pid(p.pid)  # the lock stays live while the worker runs, even if this process dies
-        t = threading.Thread(target=lambda i=i, p=p: [monitor.feed(i, ln) for ln in p.stdout], daemon=True)
-        t.start()
-        readers.append(t)
 
-    interrupted = {"count": 0}
-
-    def on_signal(signum, _frame):
-        interrupted["count"] += 1
-        sig = signal.SIGTERM if interrupted["count"] == 1 else signal.SIGKILL
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(sig)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed: Optional[int] = None
-    try:
-        while any(p.poll() is None for p in procs.values()):
-            for i, p in procs.items():
-                rc = p.poll()
-                if rc not in (None, 0, 143) and failed is None and not interrupted["count"]:
-                    failed = i
-                    _stop_all(procs, exclude=i)
-            monitor.maybe_print(status_file=status_file)
-            time.sleep(0.2)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    for t in readers:
-        t.join(timeout=5)
-    codes = {i: p.returncode for i, p in procs.items()}
-    final = "finished" if all(c == 0 for c in codes.values()) else ("stopped" if interrupted["count"] else "failed")
+    end = workers.watch(tick=lambda: monitor.maybe_print(status_file=status_file))
+    codes = end.codes
+    final = "finished" if all(c == 0 for c in codes.values()) else ("stopped" if end.stops else "failed")
     err = "; ".join(f"shard {i}: {e}" for i, e in monitor.errors.items())
     monitor.maybe_print(force=True, status_file=status_file, state=final, error=err)
-    if failed is None and not interrupted["count"]:  # a worker that ended non-zero without our asking failed
-        failed = next((i for i, c in codes.items() if c != 0), None)
-    if failed is not None:
-        rc = codes[failed]
-        err = monitor.errors.get(failed) or (f"killed by signal {-rc}" if rc is not None and rc < 0 else
-                                             _tail(logs / f"extract-shard-{failed:05d}.log"))
-        print(f"extract: shard {failed} failed: {err}\n  log: {logs / f'extract-shard-{failed:05d}.log'}\n"
-              f"  committed work is kept; fix the cause and {resume_hint}", file=sys.stderr)
-        return 1
-    if interrupted["count"] or any(c != 0 for c in codes.values()):
+    if end.failed is not None:
+        failed, log = end.failed, logs / f"extract-shard-{end.failed:05d}.log"
+        print(f"extract: shard {failed} failed: {failure_reason(codes[failed], log, monitor.errors.get(failed))}\n"
+              f"  log: {log}\n  committed work is kept; fix the cause and {resume_hint}", file=sys.stderr)
+        return ExitCode.FAILED
+    if end.exit_code == ExitCode.STOPPED:
         print(f"extract: stopped; committed work is kept; {resume_hint}", file=sys.stderr)
-        return 130
+        return ExitCode.STOPPED
     nonfinite = sum(s.get("nonfinite", 0) for s in monitor.state.values())
     if nonfinite:
         print(f"extract: {nonfinite} sample(s) had NaN/Inf features and were not written", file=sys.stderr)
     left = [s.index for s in _shard_states(store_path) if not s.done]
     where = "complete" if not left else f"waiting for shard(s) {left}"
     print(f"extract: finished shard(s) {todo}; store {store_path} is {where}", file=sys.stderr)
-    return 0
-
-
-def _target_gib(path: str) -> float:
-    d = Path(path)
-    return sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**30 if d.is_dir() else 0.0
+    return ExitCode.OK
 
 
 def _disk_check(store_path: str, record: dict, samples, num_shards: int, todo: list[int]) -> None:
@@ -373,21 +293,3 @@ def _shard_states(store_path: str) -> list:
     return st.read_all_progress(store_path, report=True)
 
 
-def _stop_all(procs: dict, exclude: int, grace: float = 15.0) -> None:
-    for i, p in procs.items():
-        if i != exclude and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.time() + grace
-    for p in procs.values():
-        while p.poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-        if p.poll() is None:
-            p.kill()
-
-
-def _tail(path: Path, n: int = 5) -> str:
-    try:
-        lines = path.read_text(errors="replace").strip().splitlines()
-        return " | ".join(lines[-n:])
-    except OSError:
-        return "(no log)"

@@ -35,7 +35,7 @@ import torch
 from pipeline import store as st
 from pipeline.config import Config
 from pipeline.encoding import encode, to_storage
-from pipeline.lifecycle import StopFlag, die_with_parent
+from pipeline.lifecycle import ExitCode, StopFlag, die_with_parent
 from pipeline.target import (DTYPES, FeatureCapture, capture_features, frozen_head_from_checkpoint, load_target,
                              load_tokenizer)
 
@@ -290,7 +290,7 @@ def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches
         capture.remove()
     if stop.stop:
         emit("stopped", shard=shard_index, samples=writer.progress.committed_samples)
-        return 143
+        return ExitCode.WORKER_STOPPED
     writer.finish()
     report(writer.progress)
     emit("done", shard=shard_index, already=False)

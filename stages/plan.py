@@ -218,7 +218,7 @@ def _duration(s: float) -> str:
     return f"{s / 3600:.1f} h" if s >= 3600 else (f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s")
 
 
-def run_plan(cfg: Config, store: Optional[str], shards: Optional[int], shard_index=None) -> int:
+def run_plan(cfg: Config, *, store: Optional[str] = None, shards: Optional[int] = None, shard_index=None) -> int:
     """Print the plan (stdout) and write nothing. `shards`: the GPUs working at once (one shard per GPU);
     `shard_index`: the shards of this call (one node's: `--shard-index 0-4`), which work at once."""
     from stages.extract import parse_shard_set

@@ -31,7 +31,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_recode(src: str, dst: str, encoding: str, clevel: Optional[int] = None, device: Optional[str] = None,
+def run_recode(src: str, *, dst: str, encoding: str, clevel: Optional[int] = None, device: Optional[str] = None,
                batch_tokens: int = 65536) -> int:
     attrs = st.read_root_attrs(src)
     if attrs is None:

@@ -35,7 +35,7 @@ import torch
 from data.prompts import Conversation
 from pipeline import store as st
 from pipeline.config import Config
-from pipeline.lifecycle import StopFlag, die_with_parent
+from pipeline.lifecycle import ExitCode, StopFlag, die_with_parent
 from pipeline.target import DTYPES, load_target, load_tokenizer
 from stages.extract_worker import emit, plan_batches
 from stages.regen_records import CommitLog, Prompt, Reply, committed_rows, regenerate_batch
@@ -215,7 +215,7 @@ def run_shard(cfg: Config, out: str, shard_index: int, num_shards: int) -> int:
         log.close()
     if stop.stop:
         emit("stopped", shard=shard_index, done=counts["done"])
-        return 143
+        return ExitCode.WORKER_STOPPED
     emit("done", shard=shard_index, already=False)
     return 0
 
@@ -226,12 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import load_config
 
     ap = argparse.ArgumentParser(description="one dflash regenerate shard (normally started by `dflash regenerate`)")
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", required=True, help="the parent's resolved config (OUT/work/regenerate-config.yaml)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--shard-index", type=int, required=True)
     ap.add_argument("--shards", type=int, required=True)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="(a worker started by hand)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

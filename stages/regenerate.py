@@ -6,8 +6,9 @@ Contract:
   directory made by a different run (named differences), another run writing the same OUT.
 - Two engines, one driver (`stages.regen_records.regenerate_batch`): the embedded default runs the target with
   transformers, one worker process per shard (shard i on GPU gpus[i], only that GPU visible, placed by
-  extract's `shard_gpus`; on CPU the shards share the cores); `--server URL` (repeatable) sends the prompts to
-  an OpenAI-compatible server (stages/regen_client.py).
+  `pipeline.lifecycle.place_shards` as extract's are; on CPU the shards share the cores), each started on the
+  config resolved once here (OUT/work/regenerate-config.yaml); `--server URL` (repeatable) sends the prompts
+  to an OpenAI-compatible server (stages/regen_client.py).
 - OUT holds, when finished: one JSONL per input file (`{"messages": [...]}` rows in input order, what `dflash
   extract` reads through data.train_files) and manifest.json (provenance: target fingerprint, tokenizer and
   chat-template hashes, thinking mode, sampling settings, max tokens, engines, every response cut at the limit,
@@ -30,17 +31,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shlex
-import signal
-import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 from pipeline.config import Config, resolve_path
+from pipeline.lifecycle import ExitCode, Supervisor, failure_reason, fmt_eta, fmt_rate, place_shards
 from stages.regen_records import SAMPLING_KEYS, RegenError, committed_rows, write_outputs, write_text_atomic
 
 
@@ -91,8 +89,6 @@ class Progress:
                 self.start.setdefault(key, (time.time(), done, tokens))
 
     def line(self) -> str:
-        from stages.extract import _fmt_eta, _fmt_rate
-
         with self.lock:
             now = time.time()
             done = sum(d for d, _ in self.parts.values())
@@ -102,8 +98,8 @@ class Progress:
             new_tokens = sum(self.parts[k][1] - t0 for k, (_, _, t0) in self.start.items())
         rate = new_tokens / dt if dt > 1 else 0.0
         eta = (self.total - done) * dt / new_done if new_done > 0 and dt > 1 else None
-        return (f"regenerate: {done}/{self.total} conversations, {tokens} tokens generated, {_fmt_rate(rate)} tok/s, "
-                f"ETA {_fmt_eta(eta)}")
+        return (f"regenerate: {done}/{self.total} conversations, {tokens} tokens generated, {fmt_rate(rate)} tok/s, "
+                f"ETA {fmt_eta(eta)}")
 
     def maybe_print(self, force: bool = False) -> None:
         now = time.time()
@@ -113,9 +109,8 @@ class Progress:
             print(self.line().ljust(100 if self.tty else 0), end=end, file=self.out, flush=True)
 
 
-def run_regenerate(cfg: Config, config_path: Optional[str], overrides: list[str], prompts: list[str], out: str,
-                   shards: Optional[int] = None, gpus: Optional[list[int]] = None, servers: tuple = (),
-                   command: str = "dflash regenerate") -> int:
+def run_regenerate(cfg: Config, *, prompts: list[str], out: str, shards: Optional[int] = None,
+                   gpus: Optional[list[int]] = None, servers: tuple = (), command: str = "dflash regenerate") -> int:
     from data.ingest import IngestReport, row_byte_cap
     from data.prompts import check_renders, prompts_fingerprint, read_prompts
     from pipeline.target import load_tokenizer, target_fingerprint, tokenizer_fingerprint
@@ -135,14 +130,14 @@ def run_regenerate(cfg: Config, config_path: Optional[str], overrides: list[str]
     (work / "logs").mkdir(parents=True, exist_ok=True)
     lock = _lock(work)
     try:
-        return _regenerate(cfg, config_path, overrides, files, out, shards, gpus, servers, command, tokenizer, convs,
-                           report, settings, identity)
+        return _regenerate(cfg, files, out, shards, gpus, servers, command, tokenizer, convs, report, settings,
+                           identity)
     finally:
         lock.close()
 
 
-def _regenerate(cfg, config_path, overrides, files, out, shards, gpus, servers, command, tokenizer, convs, report,
-                settings, identity) -> int:
+def _regenerate(cfg, files, out, shards, gpus, servers, command, tokenizer, convs, report, settings,
+                identity) -> int:
     out_dir, work = Path(out), Path(out) / "work"
     runnable = [c for c in convs if c.length <= settings["max_prompt_tokens"]]
     run_file = work / "run.json"
@@ -175,9 +170,10 @@ def _regenerate(cfg, config_path, overrides, files, out, shards, gpus, servers, 
             rc, failed = run_server(cfg, list(servers), work, tokenizer, settings, todo, progress,
                                     len(runnable) - len(todo))
         else:
-            rc = _run_workers(cfg, config_path, overrides, out, shards, gpus, progress)
+            rc = _run_workers(cfg, out, shards, gpus, progress)
         if rc:
-            print(f"regenerate: {'stopped' if rc == 130 else 'failed'}; committed work is kept; {hint}", file=sys.stderr)
+            print(f"regenerate: {'stopped' if rc == ExitCode.STOPPED else 'failed'}; committed work is kept; {hint}",
+                  file=sys.stderr)
             return rc
     manifest = write_outputs(out_dir, files, convs, identity, cfg, command, time.time() - t0, report, failed)
     print(f"regenerate: wrote {manifest['responses']} responses in {manifest['conversations']} conversations to "
@@ -206,83 +202,51 @@ def accounting_lines(manifest: dict, first: int = 5) -> str:
     return "\n".join(lines)
 
 
-def _run_workers(cfg: Config, config_path: Optional[str], overrides: list[str], out: str, shards: Optional[int],
-                 gpus: Optional[list[int]], progress: Progress) -> int:
-    """One worker process per shard (stages/regen_worker.py); 0 done, 130 stopped, 1 a worker failed."""
+def _run_workers(cfg: Config, out: str, shards: Optional[int], gpus: Optional[list[int]], progress: Progress) -> int:
+    """One worker process per shard (stages/regen_worker.py), each on the config resolved here once; 0 done,
+    130 stopped, 1 a worker failed (the first to fail stops the others)."""
     import torch
 
-    from pipeline.preflight import check_gpus_free, physical_gpu, usable_cores
-    from stages.extract import ExtractError, _stop_all, _tail, _target_gib, shard_gpus
+    from pipeline.config import write_config
+    from pipeline.preflight import check_gpus_free, physical_gpu, target_gib, usable_cores
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     num_shards = shards or max(1, len(gpus) if gpus else n_gpu)
-    try:
-        gpu_of = shard_gpus(gpus, num_shards, None, n_gpu)
-    except ExtractError as e:
-        raise RegenError(str(e)) from None
+    gpu_of = place_shards(gpus, num_shards, n_gpu, error=RegenError)
     if n_gpu:
-        check_gpus_free(list(gpu_of.values()), need_gib=_target_gib(cfg.target.path) + 8)
-    logs = Path(out) / "work" / "logs"
+        check_gpus_free(list(gpu_of.values()), need_gib=target_gib(cfg.target.path) + 8)
+    work = Path(out) / "work"
+    logs = work / "logs"
     threads = 0 if n_gpu else max(1, usable_cores() // num_shards)
-    procs: dict[int, subprocess.Popen] = {}
+    resolved = write_config(cfg, work / "regenerate-config.yaml")  # the workers' one config: no --set strings
     errors: dict[int, str] = {}
 
-    def read(i: int, p: subprocess.Popen) -> None:
-        for line in p.stdout:
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if msg.get("event") == "progress":
-                progress.update(i, msg["done"], msg["tokens"])
-            elif msg.get("event") == "error":
-                errors[i] = msg.get("error", "unknown error")
+    def read(i: int, line: str) -> None:
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        if msg.get("event") == "progress":
+            progress.update(i, msg["done"], msg["tokens"])
+        elif msg.get("event") == "error":
+            errors[i] = msg.get("error", "unknown error")
 
-    readers = []
-    for i in range(num_shards):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(gpu_of[i]) if n_gpu else ""}
-        cmd = [sys.executable, "-m", "stages.regen_worker", "--config", str(config_path or ""), "--out", out,
-               "--shard-index", str(i), "--shards", str(num_shards), "--threads", str(threads)]
-        for o in overrides:
-            cmd += ["--set", o]
-        log = open(logs / f"shard-{i:05d}.log", "ab")
-        log.write(f"\n=== {datetime.now().isoformat()} {shlex.join(cmd)}\n".encode())
-        log.flush()
-        procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
-        readers.append(threading.Thread(target=read, args=(i, procs[i]), daemon=True))
-        readers[-1].start()
-    where = f"GPU(s) {sorted(set(gpu_of.values()))}" if n_gpu else f"CPU, {threads} thread(s) each"
-    print(f"regenerate: {num_shards} embedded worker(s) on {where}; logs in {logs}", file=sys.stderr)
-    interrupted = {"count": 0}
-
-    def on_signal(_signum, _frame):
-        interrupted["count"] += 1
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM if interrupted["count"] == 1 else signal.SIGKILL)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed: Optional[int] = None
+    # as extract's: a failing worker stops the others; Ctrl-C/SIGTERM: SIGTERM to every worker, again: SIGKILL
+    workers = Supervisor(signals="terminate", quiet=(ExitCode.OK, ExitCode.WORKER_STOPPED))
     try:
-        while any(p.poll() is None for p in procs.values()):
-            if failed is None and not interrupted["count"]:  # the first worker to fail stops the others
-                failed = next((i for i, p in procs.items() if p.poll() not in (None, 0, 143)), None)
-                if failed is not None:
-                    _stop_all(procs, exclude=failed)
-            progress.maybe_print()
-            time.sleep(0.2)
+        for i in range(num_shards):
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(gpu_of[i]) if n_gpu else ""}
+            cmd = [sys.executable, "-m", "stages.regen_worker", "--config", str(resolved), "--out", out,
+                   "--shard-index", str(i), "--shards", str(num_shards), "--threads", str(threads)]
+            workers.spawn(i, cmd, log=logs / f"shard-{i:05d}.log", env=env, on_line=lambda line, i=i: read(i, line))
+        where = f"GPU(s) {sorted(set(gpu_of.values()))}" if n_gpu else f"CPU, {threads} thread(s) each"
+        print(f"regenerate: {num_shards} embedded worker(s) on {where}; logs in {logs}", file=sys.stderr)
+        end = workers.watch(tick=progress.maybe_print)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    for t in readers:  # the last progress lines, before the final count
-        t.join(timeout=5)
+        workers.stop_all()  # (all have exited unless this process failed) no worker outlives its parent's work
     progress.maybe_print(force=True)
-    codes = {i: p.returncode for i, p in procs.items()}
-    if failed is None and not interrupted["count"]:
-        failed = next((i for i, c in codes.items() if c != 0), None)
-    if failed is not None:
-        rc = codes[failed]
-        err = errors.get(failed) or (f"killed by signal {-rc}" if rc < 0 else _tail(logs / f"shard-{failed:05d}.log"))
-        print(f"regenerate: shard {failed} failed: {err}\n  log: {logs / f'shard-{failed:05d}.log'}", file=sys.stderr)
-        return 1
-    return 130 if interrupted["count"] or any(codes.values()) else 0
+    if end.failed is not None:
+        log = logs / f"shard-{end.failed:05d}.log"
+        err = failure_reason(end.codes[end.failed], log, errors.get(end.failed))
+        print(f"regenerate: shard {end.failed} failed: {err}\n  log: {log}", file=sys.stderr)
+    return end.exit_code

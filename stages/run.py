@@ -18,14 +18,18 @@ Contract:
   gives the uninterrupted run's result, not a shuffled first epoch.
 - Failures: a failed extraction stops the training (it could not finish) and the command exits 1 naming it;
   a failed training lets the extraction finish (its store is kept for the next run) and exits 1.
+- The children's command lines come from `child_argv` with the options of `dflash train` and `dflash extract`
+  this command forwards (TRAIN_FORWARDED, EXTRACT_FORWARDED); every other option of those commands is listed
+  with the reason it is not forwarded (tests/test_run.py holds both lists to the click options, so a new
+  option of `dflash train` fails it until it is one or the other). A resumed training child's line is
+  `stages.train.resume_argv` of the fresh one, as the resume hint of a stopped `dflash train` is.
+- Supervised by `pipeline.lifecycle.Supervisor` (each child in its own process group, signals forwarded).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +38,7 @@ from typing import Optional
 from pipeline import store as st
 from pipeline.config import Config
 from pipeline.errors import UserError
+from pipeline.lifecycle import ExitCode, Supervisor, tail
 
 
 class RunError(UserError, RuntimeError):
@@ -56,23 +61,40 @@ def parse_gpus(text: Optional[str]) -> list[int]:
     return out
 
 
-def _child(cmd: list[str], log: Path) -> subprocess.Popen:
-    f = open(log, "ab")
-    f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-    f.flush()
-    # its own process group: a terminal's Ctrl-C reaches this process only, which passes it on exactly once
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_child_setup)
+# The options of `dflash train` and `dflash extract` (their click parameter names in stages/cli.py, each with the
+# flag it is written as) that `dflash run` passes to its children, and every other one with why it does not.
+TRAIN_FORWARDED = {"config_path": "--config", "overrides": "--set", "store": "--store", "gpus": "--gpus",
+                   "devices": "--devices", "follow": "--follow", "resume": "--resume"}
+TRAIN_NOT_FORWARDED = {
+    "num_nodes": "`dflash run` runs on one node",
+    "no_export": "the run exports its drafter at the end, as `dflash train` does by default",
+    "rebuild_compile_cache": "a one-off: run `dflash train --rebuild-compile-cache` by itself for it",
+    "init_from": "`--set drafter.init_from=EXPORT_DIR` reaches the training through --set",
+}
+EXTRACT_FORWARDED = {"config_path": "--config", "overrides": "--set", "store": "--store", "shards": "--shards",
+                     "gpus": "--gpus"}
+EXTRACT_NOT_FORWARDED = {
+    "shard_index": "one node extracts every shard (--extract-gpus, one shard each)",
+    "plan": "`dflash extract --plan` by itself says what an extraction takes",
+}
 
 
-def _child_setup() -> None:
-    """In the child before exec: die with this process, and take Ctrl-C as a terminal's job does. An ignored
-    SIGINT is inherited: `dflash run` started where Ctrl-C is ignored (a background job of a script, `nohup`)
-    gave its children an ignored SIGINT, so the Ctrl-C this process passes on never stopped the training
-    (it waited for the extraction forever; seen in a CI-like run)."""
-    from pipeline.lifecycle import die_with_parent
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    die_with_parent()
+def child_argv(command: str, flags: dict, **values) -> list[str]:
+    """`python -m stages.cli COMMAND ...` with each value under its flag (`flags`: TRAIN_FORWARDED or
+    EXTRACT_FORWARDED; a name it lacks is a KeyError, never a silently dropped option), in the order given:
+    True -> the bare flag; a list or tuple -> the flag once per item; None or False -> left out."""
+    argv = [sys.executable, "-m", "stages.cli", command]
+    for name, value in values.items():
+        flag = flags[name]
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [w for v in value for w in (flag, str(v))]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _read_json(path: Path) -> dict:
@@ -103,8 +125,11 @@ def status_line(store: str, run_dir: Path) -> str:
     return " | ".join(parts)
 
 
-def run_node(cfg: Config, config_path: Optional[str], overrides: list[str], extract_gpus: str, train_gpus: str,
-             devices: Optional[int], store: Optional[str], command: str) -> int:
+def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], extract_gpus: str = "",
+             train_gpus: str = "", devices: Optional[int] = None, store: Optional[str] = None,
+             command: str = "dflash run") -> int:
+    from stages.train import resume_argv
+
     xg, tg = parse_gpus(extract_gpus), parse_gpus(train_gpus)
     if set(xg) & set(tg):
         raise RunError(f"GPU(s) {sorted(set(xg) & set(tg))} are in both --extract-gpus and --train-gpus")
@@ -116,71 +141,64 @@ def run_node(cfg: Config, config_path: Optional[str], overrides: list[str], extr
     store_path = store or cfg.store.path
     run_dir = Path(cfg.train.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    common = ["--config", str(config_path or "")] + [a for o in overrides for a in ("--set", o)] + ["--store", store_path]
-    py = [sys.executable, "-m", "stages.cli"]
-    x_cmd = py + ["extract", *common, "--shards", str(len(xg) or cfg.extract.shards)]
-    x_cmd += ["--gpus", ",".join(map(str, xg))] if xg else []
+    common = dict(config_path=config_path, overrides=list(overrides), store=store_path)
+    x_cmd = child_argv("extract", EXTRACT_FORWARDED, **common, shards=len(xg) or cfg.extract.shards,
+                       gpus=",".join(map(str, xg)) or None)
     resume = (run_dir / "checkpoints" / "last.ckpt").exists()
     complete = _complete(store_path)
-    t_cmd = py + ["train", *common] + (["--gpus", ",".join(map(str, tg))] if tg else ["--devices", str(devices or 1)])
     follows = run_dir / "logs" / "train-follows"  # this run's training began on an unfinished store
     follow = not complete or (not resume and follows.exists())  # resumed: the checkpoint keeps its epochs
     if follow and not complete:
         follows.write_text("training started with --follow: a rerun before its first checkpoint follows too\n")
-    t_cmd += (["--follow"] if follow else []) + (["--resume"] if resume else [])
+    t_cmd = child_argv("train", TRAIN_FORWARDED, **common, gpus=",".join(map(str, tg)) or None,
+                       devices=None if tg else devices or 1, follow=follow)
+    t_cmd = resume_argv(t_cmd) if resume else t_cmd
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     say(f"run: extraction on {('GPUs ' + ','.join(map(str, xg))) if xg else 'the CPU'} -> {store_path}"
         f"{' (already complete)' if complete else ''}; training on "
         f"{('GPUs ' + ','.join(map(str, tg))) if tg else f'{devices or 1} CPU process(es)'} -> {run_dir}"
         f"{' (resuming)' if resume else ''}; logs in {run_dir / 'logs'}/run-*.log")
-    procs = {"extract": _child(x_cmd, run_dir / "logs" / "run-extract.log"),
-             "train": _child(t_cmd, run_dir / "logs" / "run-train.log")}
-    stops = {"n": 0}
 
-    def on_signal(signum, _frame):
-        stops["n"] += 1
-        if stops["n"] == 1:
+    def on_failure(name: str, rc: int) -> None:
+        if name == "extract":
+            say(f"\nrun: extraction failed (exit {rc}); stopping the training, which cannot finish without it")
+            children.send("train", signal.SIGINT)
+        else:
+            say(f"\nrun: training failed (exit {rc}); extraction goes on (Ctrl-C stops it)")
+
+    def on_stop(n: int, _signum: int) -> None:
+        if n == 1:
             say("\nrun: stopping both stages (Ctrl-C again to force)")
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    tty, last, failed = sys.stderr.isatty(), 0.0, None
-    try:
-        while any(p.poll() is None for p in procs.values()):
-            rc_x, rc_t = procs["extract"].poll(), procs["train"].poll()
-            if failed is None and not stops["n"] and rc_x not in (None, 0):
-                failed = "extract"
-                say(f"\nrun: extraction failed (exit {rc_x}); stopping the training, which cannot finish without it")
-                os.killpg(procs["train"].pid, signal.SIGINT)
-            if failed is None and not stops["n"] and rc_t not in (None, 0):
-                failed = "train"
-                say(f"\nrun: training failed (exit {rc_t}); extraction goes on (Ctrl-C stops it)")
-            if time.time() - last >= (1.0 if tty else 15.0):
-                last = time.time()
-                print(status_line(store_path, run_dir).ljust(120 if tty else 0), end="\r" if tty else "\n",
-                      file=sys.stderr, flush=True)
-            time.sleep(0.2)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    codes = {k: p.returncode for k, p in procs.items()}
+    # each child in its own process group: a terminal's Ctrl-C reaches this process only, which passes it on to
+    # each child exactly once (and a second one, which forces them); a child's exit is a failure unless 0
+    children = Supervisor(signals="forward", quiet=(ExitCode.OK,), stop_codes=(ExitCode.STOPPED,),
+                          on_failure=on_failure, on_stop=on_stop)
+    children.spawn("extract", x_cmd, log=run_dir / "logs" / "run-extract.log", own_group=True)
+    children.spawn("train", t_cmd, log=run_dir / "logs" / "run-train.log", own_group=True)
+    tty, last = sys.stderr.isatty(), [0.0]
+
+    def tick() -> None:
+        if time.time() - last[0] >= (1.0 if tty else 15.0):
+            last[0] = time.time()
+            print(status_line(store_path, run_dir).ljust(120 if tty else 0), end="\r" if tty else "\n",
+                  file=sys.stderr, flush=True)
+
+    end = children.watch(tick)
     say(("\n" if tty else "") + status_line(store_path, run_dir))
-    if failed or any(c not in (0, 130) for c in codes.values()):
-        bad = failed or next(k for k, c in codes.items() if c not in (0, 130))
-        log = run_dir / "logs" / f"run-{bad}.log"
-        say(f"run: {bad} failed (exit {codes[bad]}): {_tail(log)}\n  log: {log}\n  what is done is kept; fix the "
-            f"cause and rerun the same command: {command}")
-        return 1
-    if stops["n"] or any(c == 130 for c in codes.values()):
+    if end.failed is not None:
+        log = run_dir / "logs" / f"run-{end.failed}.log"
+        say(f"run: {end.failed} failed (exit {end.codes[end.failed]}): {tail(log, 3)}\n  log: {log}\n  what is done "
+            f"is kept; fix the cause and rerun the same command: {command}")
+        return ExitCode.FAILED
+    if end.exit_code == ExitCode.STOPPED:
         say(f"run: stopped; store commits and training checkpoints are kept; continue with the same command: {command}")
-        return 130
+        return ExitCode.STOPPED
     summary = _read_json(run_dir / "summary.json")
     tau = summary.get("val", {}).get("val/tau")
     say(f"run: done: store {store_path} complete; {summary.get('global_step', '?')} training steps, val tau "
         f"{'n/a' if tau is None else f'{tau:.3f}'}" + (f"; export {summary['export']}" if summary.get("export") else ""))
-    return 0
+    return ExitCode.OK
 
 
 def _complete(store_path: str) -> bool:
@@ -189,11 +207,3 @@ def _complete(store_path: str) -> bool:
     except st.StoreError:
         return False
     return attrs is not None and all(s.done for s in st.read_all_progress(store_path))
-
-
-def _tail(path: Path, n: int = 3) -> str:
-    try:
-        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
-        return " | ".join(lines[-n:])
-    except OSError:
-        return "(no log)"

@@ -52,7 +52,7 @@ def _shard_detail(path: str, sh: dict, recs: list[dict]) -> str:
     """`, on HOST (heartbeat 5s ago), 1.2K tok/s, ETA 3m10s` for a shard being written; '' for others."""
     if sh["done"]:
         return ""
-    from stages.extract import _fmt_eta, _fmt_rate
+    from pipeline.lifecycle import fmt_eta, fmt_rate
 
     parts = []
     lock = holder(path, sh["shard"])
@@ -62,7 +62,7 @@ def _shard_detail(path: str, sh: dict, recs: list[dict]) -> str:
     if mine:
         m = max(mine, key=lambda r: r.get("time", 0))["shards"][str(sh["shard"])]
         if "rate_tok_s" in m:
-            parts.append(f"{_fmt_rate(m['rate_tok_s'])} tok/s, ETA {_fmt_eta(m.get('eta_s'))}")
+            parts.append(f"{fmt_rate(m['rate_tok_s'])} tok/s, ETA {fmt_eta(m.get('eta_s'))}")
     return (", " + ", ".join(parts)) if parts else ""
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -204,21 +203,31 @@ def _compile_cache(cfg: Config, rebuild: bool, report: bool) -> Path:
     return d
 
 
-def resume_command(command: str) -> str:
-    """The command that resumes a stopped run: the same one with --resume, without --init-from (the run's weights
-    are in its checkpoint now, and the two flags are refused together)."""
-    import shlex
+# `dflash train` options a later start of the same run does not repeat, each with whether it takes a value:
+# --init-from (the run's weights are in its checkpoint now, and the two flags are refused together)
+NOT_RESUMED = {"--init-from": True}
 
-    words, out = shlex.split(command), []
-    skip = False
+
+def resume_argv(words: list[str]) -> list[str]:
+    """A `dflash train` command line that resumes its run: the same words without the options a resume does not
+    repeat (NOT_RESUMED), with --resume (added at the end when missing). The resume hint of a stopped run
+    (`resume_command`) and `dflash run`'s training child (stages/run.py) are both made by it."""
+    out, skip = [], False
     for w in words:
         if skip:
             skip = False
-        elif w == "--init-from":
-            skip = True
-        elif not w.startswith("--init-from="):
+        elif w in NOT_RESUMED:
+            skip = NOT_RESUMED[w]
+        elif not any(w.startswith(f"{flag}=") for flag in NOT_RESUMED):
             out.append(w)
-    return shlex.join(out if "--resume" in out else out + ["--resume"])
+    return out if "--resume" in out else out + ["--resume"]
+
+
+def resume_command(command: str) -> str:
+    """The command that resumes a stopped run (`resume_argv` of `command`)."""
+    import shlex
+
+    return shlex.join(resume_argv(shlex.split(command)))
 
 
 def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
@@ -235,9 +244,10 @@ def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
                        gradient_as_bucket_view=t.ddp_gradient_as_bucket_view, static_graph=t.ddp_static_graph, **timeout)
 
 
-def run_train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
-              command: str, export: bool = True, rebuild_compile_cache: bool = False, follow: bool = False,
-              init_from: Optional[str] = None, num_nodes: Optional[int] = None) -> int:
+def run_train(cfg: Config, *, store: Optional[str] = None, gpus: Optional[list[int]] = None,
+              devices: Optional[int] = None, resume: bool = False, command: str = "dflash train", export: bool = True,
+              rebuild_compile_cache: bool = False, follow: bool = False, init_from: Optional[str] = None,
+              num_nodes: Optional[int] = None) -> int:
     """`dflash train`; a disk that fills (a checkpoint, the logs, the export) ends it with one line naming the
     disk and the resume command (pipeline.preflight.DiskFull, exit 2), not Lightning's traceback."""
     from pipeline.preflight import DiskFull, disk_full_error, disk_full_message
@@ -313,9 +323,9 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
     import lightning as L
 
     from stages.best_checkpoint import BestCheckpoint
-    from stages.progress import (FinalCheckpoint, ForceOnSecondCtrlC, ProgressLines, SigtermLikeCtrlC, StopRequest,
-                                 ValidateAtEnd, ValidateSkippedOnResume, resumable_csv_logger, save_final,
-                                 stopped_by_user)
+    from stages.progress import (FinalCheckpoint, ProgressLines, ValidateAtEnd, ValidateSkippedOnResume,
+                                 resumable_csv_logger, save_final)
+    from stages.train_stop import ForceOnSecondCtrlC, SigtermLikeCtrlC, StopRequest, end_stopped_run, stopped_by_user
     from stages.train_ckpt_io import AsyncCheckpointIO, LinkAfterWrite, wait_for_checkpoints
     from stages.train_task import DrafterTask
     from pipeline.quiet_log import quiet_third_party
@@ -448,27 +458,7 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
                 if lost_peer(e):
                     exit_lost_peer(e, trainer, top, ckpt_dir, resume_command(command))
             raise
-        if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # a collective or loader the stop cut short
-            print(f"train: {type(e).__name__} while stopping after {StopRequest.reason} (a consequence of the "
-                  f"stop): {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-            starter = getattr(trainer.strategy, "launcher", None)  # Lightning's, which started the other ranks
-            if hasattr(starter, "kill"):
-                starter.kill(signal.SIGKILL)  # the ranks it started, as Lightning's own Ctrl-C path does
-        try:
-            wait_for_checkpoints(trainer)  # a checkpoint being written when the stop came is kept whole
-        except Exception as w:  # noqa: BLE001  its temporary file is gone; the previous checkpoint is kept
-            print(f"train: the checkpoint being written when the run stopped failed: {w}", file=sys.stderr)
-        hint = resume_command(command)
-        print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
-              f"resume with: {hint}", file=sys.stderr)
-        if not launcher:  # a rank Lightning started: the launcher ends it (a rank leaving first had every
-            return 130    # process SIGKILLed by the launcher's observer: -9)
-        # the job's process: the stop is complete and nothing is left to write, so leave now. Python's
-        # finalisation puts SIGINT back to its default, and a second Ctrl-C landing in it ended the job with -2
-        # instead of 130 (CI)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        return end_stopped_run(e, trainer, launcher=launcher, ckpt_dir=ckpt_dir, hint=resume_command(command))
     if not final.saved:  # fit returned without on_train_end (nothing to train: resumed at the last step)
         wait_for_checkpoints(trainer, sync=True)
         save_final(trainer, checkpoint, checkpoint_path)

@@ -101,3 +101,26 @@ def test_ddp_options_are_validated_and_reach_distributed_data_parallel(tmp_path)
         load_config(p, ["train.ddp_bucket_cap_mb=0"])
     with pytest.raises(ConfigError, match="ddp_static_graph"):
         load_config(p, ["train.ddp_static_graph=sometimes"])
+
+
+def test_a_drafters_config_resolves_from_the_flag_the_run_the_checkpoint_then_tiny(tmp_path):
+    """`dflash eval`'s config (pipeline/config.resolve_config): --config; else RUN/config.yaml; else the config a
+    checkpoint carries; else configs/tiny.yaml; --set applies to whichever it is, and the source is named."""
+    from pipeline.config import dump_config, resolve_config
+
+    tiny = load_config(None)
+    run_config = tmp_path / "config.yaml"
+    run_config.write_text(dump_config(load_config(None, ["train.lr=0.5"])))
+    cfg, source = resolve_config(None, ["train.seed=7"], run_config=run_config, embedded=tiny.to_dict())
+    assert source == str(run_config) and cfg.train.lr == 0.5 and cfg.train.seed == 7
+    cfg, source = resolve_config(str(run_config), (), run_config=tmp_path / "nope.yaml")
+    assert source == str(run_config) and cfg.train.lr == 0.5
+    embedded = load_config(None, ["train.lr=0.25"]).to_dict()
+    cfg, source = resolve_config(None, ["train.seed=9"], run_config=tmp_path / "nope.yaml", embedded=embedded,
+                                 embedded_source="x.ckpt (embedded config)")
+    assert source == "x.ckpt (embedded config)" and cfg.train.lr == 0.25 and cfg.train.seed == 9
+    assert embedded["train"]["seed"] == tiny.train.seed  # the checkpoint's own dict is left as it was
+    with pytest.raises(ConfigError, match="unknown section 'trian'"):
+        resolve_config(None, ["trian.lr=1"], embedded=embedded)
+    cfg, source = resolve_config(None, ())
+    assert source == "configs/tiny.yaml (default)" and cfg.to_dict() == tiny.to_dict()

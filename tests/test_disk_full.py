@@ -59,13 +59,13 @@ def test_run_train_turns_a_full_disk_anywhere_in_lightnings_chain_into_one_line(
     monkeypatch.setattr(train, "_train", fails)
     cmd = f"dflash train --config {TINY} --init-from old/export"
     with pytest.raises(DiskFull) as e:
-        train.run_train(cfg, None, None, None, False, cmd)
+        train.run_train(cfg, command=cmd)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"the disk holding {target} is full (No space left on device; / has")
     assert msg.endswith(f"Free space on /, then resume with: dflash train --config {TINY} --resume")
     monkeypatch.setattr(train, "_train", lambda *a, **k: (_ for _ in ()).throw(ValueError("another bug")))
     with pytest.raises(ValueError, match="another bug"):  # any other error keeps its traceback
-        train.run_train(cfg, None, None, None, False, cmd)
+        train.run_train(cfg, command=cmd)
     assert disk_full_error(RuntimeError("x")) is None
 
 

@@ -173,7 +173,7 @@ def test_second_ctrl_c_forces_while_lightning_shuts_down(tmp_path):
     hangs as a stuck teardown would, and press Ctrl-C."""
     code = """
 import signal, sys, time
-from stages.progress import ForceOnSecondCtrlC
+from stages.train_stop import ForceOnSecondCtrlC
 signal.signal(signal.SIGINT, signal.SIG_IGN)          # what Lightning does on the first KeyboardInterrupt
 ForceOnSecondCtrlC().on_exception(None, None, KeyboardInterrupt())
 print("tearing down", flush=True)
@@ -200,7 +200,7 @@ def test_second_ctrl_c_in_a_rank_waits_for_its_launcher(tmp_path):
     rank = """
 import os, signal, sys, time
 os.environ["LOCAL_RANK"] = "1"
-from stages.progress import ForceOnSecondCtrlC
+from stages.train_stop import ForceOnSecondCtrlC
 cb = ForceOnSecondCtrlC()                               # created at start-up: remembers the launcher
 signal.signal(signal.SIGINT, signal.SIG_IGN)          # what Lightning does on the first KeyboardInterrupt
 cb.on_exception(None, None, KeyboardInterrupt())
@@ -231,7 +231,7 @@ def test_an_error_after_a_stop_request_is_the_stop(monkeypatch):
     error is a failure."""
     from types import SimpleNamespace
 
-    from stages.progress import StopRequest, stopped_by_user
+    from stages.train_stop import StopRequest, stopped_by_user
 
     monkeypatch.setattr(StopRequest, "reason", None)
     running, interrupted = SimpleNamespace(interrupted=False), SimpleNamespace(interrupted=True)

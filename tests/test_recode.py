@@ -66,7 +66,7 @@ def test_recode_keeps_samples_and_features_and_is_inspectable(src, tmp_path, enc
 
 def test_recode_resumes_after_a_crash(src, tmp_path, monkeypatch):
     ref = str(tmp_path / "ref.zarr")
-    run_recode(src, ref, "int4", batch_tokens=600)
+    run_recode(src, dst=ref, encoding="int4", batch_tokens=600)
     dst = str(tmp_path / "crash.zarr")
     real = st.ShardWriter.write_batch
     calls = {"n": 0}
@@ -79,9 +79,9 @@ def test_recode_resumes_after_a_crash(src, tmp_path, monkeypatch):
 
     monkeypatch.setattr(st.ShardWriter, "write_batch", failing)
     with pytest.raises(OSError):
-        run_recode(src, dst, "int4", batch_tokens=600)
+        run_recode(src, dst=dst, encoding="int4", batch_tokens=600)
     monkeypatch.setattr(st.ShardWriter, "write_batch", real)
-    run_recode(src, dst, "int4", batch_tokens=600)
+    run_recode(src, dst=dst, encoding="int4", batch_tokens=600)
     for name in ("features", "scales", "outliers", "tokens"):
         for shard in ("shards/00000", "shards/00001"):
             n = zarr.open_group(ref, mode="r")[shard].attrs["progress"]["committed_tokens"]

@@ -117,7 +117,7 @@ FAST = ["regenerate.retry_backoff=0.01", "regenerate.concurrency=3", "regenerate
 def _run(tmp_path, urls, n=10, extra=(), name="o"):
     prompts = write_prompts(tmp_path / "chat.jsonl", n, start=40)
     cfg = load_config(TINY, [*FAST, *extra])
-    rc = run_regenerate(cfg, TINY, [], [str(prompts)], str(tmp_path / name), servers=tuple(urls))
+    rc = run_regenerate(cfg, prompts=[str(prompts)], out=str(tmp_path / name), servers=tuple(urls))
     return rc, prompts, tmp_path / name
 
 
@@ -303,8 +303,8 @@ def test_skipped_bad_rows_are_counted_in_the_accounting(tmp_path, tiny, capfd):
         f.write('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n" + '{"messages": [{"role": "user", "content": '
                 '"\\udfff"}]}\n{"messages": [{"role": "assistant", "content": "no user turn"}]}\n')
     try:
-        rc = run_regenerate(load_config(TINY, [*FAST, "data.on_bad_row=skip"]), TINY, [], [str(prompts)],
-                            str(tmp_path / "o"), servers=(server.url,))
+        rc = run_regenerate(load_config(TINY, [*FAST, "data.on_bad_row=skip"]), prompts=[str(prompts)],
+                            out=str(tmp_path / "o"), servers=(server.url,))
     finally:
         server.close()
     err = capfd.readouterr().err

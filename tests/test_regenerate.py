@@ -209,7 +209,7 @@ def test_bad_line_fails_before_any_model_work(tmp_path):
     with open(prompts, "a") as f:
         f.write('{"messages": [{"role": "user", "content": ""}]}\n')
     with pytest.raises(IngestError, match=r"p\.jsonl, line 6: turn 0 \(user\) has empty content"):
-        run_regenerate(load_config(TINY), TINY, [], [str(prompts)], str(tmp_path / "o"))
+        run_regenerate(load_config(TINY), prompts=[str(prompts)], out=str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()  # nothing written, no worker started
 
 
@@ -224,6 +224,38 @@ def reference_run(tmp_path_factory):
 
 
 SMALL = ["--set", "regenerate.max_batch_size=4", "--set", "regenerate.max_new_tokens=96"]
+
+
+def test_workers_get_the_config_resolved_once_and_no_set_strings(tmp_path, monkeypatch):
+    """Each embedded worker is started on OUT/work/regenerate-config.yaml, written once by the parent, which
+    `load_config` reads back as the parent's config: no `--config` + `--set` strings to re-parse per worker."""
+    import stages.regenerate as rg
+    from pipeline.lifecycle import Outcome
+
+    cfg = load_config(TINY, ["regenerate.max_batch_size=3", "regenerate.temperature=0.7"])
+    spawned = []
+
+    class Recorder:  # the supervisor, recording what it would start
+        def __init__(self, **_kw):
+            pass
+
+        def spawn(self, name, cmd, **_kw):
+            spawned.append(cmd)
+
+        def watch(self, tick=None):
+            return Outcome({i: 0 for i in range(len(spawned))})
+
+        def stop_all(self):
+            pass
+
+    monkeypatch.setattr(rg, "Supervisor", Recorder)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (tmp_path / "work" / "logs").mkdir(parents=True)
+    assert rg._run_workers(cfg, str(tmp_path), 2, None, rg.Progress(4)) == 0
+    assert len(spawned) == 2 and not any("--set" in cmd for cmd in spawned), spawned
+    paths = {cmd[cmd.index("--config") + 1] for cmd in spawned}
+    assert paths == {str(tmp_path / "work" / "regenerate-config.yaml")}
+    assert load_config(paths.pop()).to_dict() == cfg.to_dict()
 
 
 @pytest.mark.slow

@@ -104,3 +104,61 @@ def test_progress_view_and_status_show_how_far_training_is_behind(tmp_path):
     assert show_status(str(run), out=out) == 0
     assert "following the store: first epoch in commit order, 20 committed samples not trained yet, extraction " \
            "still writing" in out.getvalue()
+
+
+def test_every_train_and_extract_option_is_forwarded_by_dflash_run_or_named_as_not():
+    """Adding a `dflash train` option fails here until stages/run.py says whether `dflash run` passes it on to its
+    training (TRAIN_FORWARDED, with the flag it is written as) or why not (TRAIN_NOT_FORWARDED); the same for
+    `dflash extract`. The flags are the click options' own."""
+    from stages.cli import main
+    from stages.run import EXTRACT_FORWARDED, EXTRACT_NOT_FORWARDED, TRAIN_FORWARDED, TRAIN_NOT_FORWARDED
+
+    for name, forwarded, not_forwarded in (("train", TRAIN_FORWARDED, TRAIN_NOT_FORWARDED),
+                                           ("extract", EXTRACT_FORWARDED, EXTRACT_NOT_FORWARDED)):
+        params = {p.name: p for p in main.commands[name].params}
+        assert not set(forwarded) & set(not_forwarded), name
+        assert set(forwarded) | set(not_forwarded) == set(params), (
+            f"`dflash {name}` options neither forwarded by `dflash run` nor listed as not: "
+            f"{sorted(set(params) - set(forwarded) - set(not_forwarded))}; stale entries: "
+            f"{sorted(set(forwarded) | set(not_forwarded) - set(params))}")
+        for key, flag in forwarded.items():
+            assert flag == params[key].opts[0], (name, key, flag, params[key].opts)
+        assert all(why.strip() for why in not_forwarded.values())
+
+
+def test_the_childrens_command_lines_parse_back_to_what_dflash_run_meant():
+    """`child_argv`'s words, read by the children's own click parsers, give exactly the values it was handed;
+    a resumed training child is `resume_argv` of the fresh one, as a stopped run's resume hint is."""
+    from stages.cli import main
+    from stages.run import EXTRACT_FORWARDED, TRAIN_FORWARDED, child_argv
+    from stages.train import resume_argv, resume_command
+
+    values = dict(config_path="c.yaml", overrides=["train.lr=1e-4", "data.max_samples=8"], store="/s/store.zarr",
+                  devices=2, follow=True)
+    argv = child_argv("train", TRAIN_FORWARDED, **values, gpus=None)
+    assert argv[:4] == [sys.executable, "-m", "stages.cli", "train"]
+    ctx = main.commands["train"].make_context("train", argv[4:])
+    assert {k: v for k, v in ctx.params.items() if v not in (None, False, ())} == {**values, "overrides": tuple(values["overrides"])}
+    resumed = resume_argv(argv)
+    assert resumed == argv + ["--resume"] and main.commands["train"].make_context("train", resumed[4:]).params["resume"]
+    assert resume_command("dflash train --config c.yaml --init-from old/export --follow") == \
+        "dflash train --config c.yaml --follow --resume"
+    x = child_argv("extract", EXTRACT_FORWARDED, config_path="c.yaml", overrides=[], store="/s", shards=3, gpus="0,1,2")
+    assert main.commands["extract"].make_context("extract", x[4:]).params == {
+        "config_path": "c.yaml", "overrides": (), "store": "/s", "shards": 3, "gpus": "0,1,2", "shard_index": None,
+        "plan": False}
+    with pytest.raises(KeyError):  # an option the builder does not forward is never dropped silently
+        child_argv("train", TRAIN_FORWARDED, init_from="old/export")
+
+
+def test_every_train_option_reaches_run_train_under_its_own_name():
+    """The CLI's `train` passes each option to run_train as a keyword of the same name (gpus parsed, --no-export
+    as export=): a new flag is its click option and run_train's parameter."""
+    import inspect
+
+    from stages.cli import main
+    from stages.train import run_train
+
+    params = inspect.signature(run_train).parameters
+    options = {p.name for p in main.commands["train"].params} - {"config_path", "overrides", "no_export"}
+    assert options <= set(params) and "export" in params, sorted(options - set(params))
