@@ -101,6 +101,7 @@ def test_lightning_resume_load_goes_through_the_safe_loader(tmp_path):
     assert torch.equal(io.load_checkpoint(good)["state_dict"]["w"], torch.ones(2))
 
 
+@pytest.mark.slow  # dflash subprocesses over a trained run: 10-14 s each (the fast subset's 3-minute budget)
 def test_export_eval_and_resume_refuse_a_planted_checkpoint(trained, tmp_path):
     store, run = trained
     marker = tmp_path / "marker"
@@ -129,6 +130,7 @@ def test_export_eval_and_resume_refuse_a_planted_checkpoint(trained, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow  # dflash subprocesses over a trained run: 10-14 s each (the fast subset's 3-minute budget)
 def test_eval_refuses_a_store_of_another_target_as_train_does(trained, tmp_path):
     store, run = trained
     other = str(tmp_path / "other.zarr")  # the same tiny weights, extracted as another target
@@ -156,6 +158,7 @@ def _listed(d: Path) -> dict[str, str]:
     return {name: digest for digest, _, name in (x.partition("  ") for x in (d / "checksums.sha256").read_text().splitlines())}
 
 
+@pytest.mark.slow  # dflash subprocesses over a trained run: 10-14 s each (the fast subset's 3-minute budget)
 def test_export_replaces_an_earlier_export_whole_and_refuses_a_foreign_directory(trained, tmp_path):
     import hashlib
 
@@ -188,6 +191,7 @@ def _flip(f: Path, at: int) -> None:
     f.write_bytes(bytes(b))
 
 
+@pytest.mark.slow  # dflash subprocesses over a trained run: 10-14 s each (the fast subset's 3-minute budget)
 def test_damaged_weights_are_refused_by_eval_and_init_from_before_anything_is_written(trained, tmp_path):
     from pipeline.export import ExportError, load_exported, verify_checksums
 
