@@ -202,18 +202,25 @@ def test_a_wrong_layout_would_be_caught(model):
 LM_VOCAB = 512
 
 
-@pytest.fixture(scope="module")
-def lm():
-    """A tiny random Qwen3_5 text model built in code: 3 Gated DeltaNet layers then 1 gated attention layer,
-    fp32, weights large enough that greedy outputs vary, non-zero zero-centred norm weights."""
+def _tiny_lm(dtype: torch.dtype, num_hidden_layers: int):
+    """A tiny random Qwen3_5 text model on the CPU (seed 0), built in code by the benches' builder."""
     sys.path.insert(0, str(ROOT))
     from bench.extract_bench import build_model
 
     torch.manual_seed(0)
-    model, _ = build_model("qwen3_5", "tiny", device="cpu", dtype=torch.float32, vocab_size=LM_VOCAB,
-                           hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                           linear_key_head_dim=16, linear_value_head_dim=16, initializer_range=0.2)
+    model, _ = build_model("qwen3_5", "tiny", device="cpu", dtype=dtype, vocab_size=LM_VOCAB,
+                           hidden_size=64, intermediate_size=128, num_hidden_layers=num_hidden_layers,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                           initializer_range=0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """A tiny random Qwen3_5 text model built in code: 3 Gated DeltaNet layers then 1 gated attention layer,
+    fp32, weights large enough that greedy outputs vary, non-zero zero-centred norm weights."""
+    model = _tiny_lm(torch.float32, num_hidden_layers=4)
     assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     _nonzero_norms(model)
     _long_memory(model)
@@ -638,14 +645,7 @@ def _cached_against_reference(model, ops, vocab: int, S: int, n: int, pad: int, 
 
 def test_cached_check_of_the_gpu_test_runs_on_the_cpu_in_bf16():
     """The GPU test's check end to end on the CPU (bf16, the torch stand-ins as the kernels, a tiny model)."""
-    sys.path.insert(0, str(ROOT))
-    from bench.extract_bench import build_model
-
-    torch.manual_seed(0)
-    model, _ = build_model("qwen3_5", "tiny", device="cpu", dtype=torch.bfloat16, vocab_size=LM_VOCAB,
-                           hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                           linear_key_head_dim=16, linear_value_head_dim=16, initializer_range=0.2)
+    model = _tiny_lm(torch.bfloat16, num_hidden_layers=8)
     _nonzero_norms(model)
     _long_memory(model)
     report = _cached_against_reference(model, ff.torch_ops(), LM_VOCAB, S=40, n=12, pad=9, P=30)
