@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 from pipeline import __version__
 from pipeline import store as st
+from pipeline.store_lock import being_created, creating
 from pipeline.encoding import check as check_encoding
 from pipeline.encoding import parts_spec
 from pipeline.target import resolve_layer_ids, target_fingerprint, tokenizer_fingerprint
@@ -141,9 +142,16 @@ def create_or_open_store(path: str, provenance: dict) -> dict:
 
     Returns the stored provenance. Raises StoreError naming every difference otherwise.
     """
-    stored = st.read_root_attrs(path)
-    if stored is None:
-        return st.write_root(path, provenance)
+    # Runs that start on a new store at once (a second shell, the nodes of a multi-node extraction): one creates
+    # the root under the creation lock, the others wait for it and compare. The order of the two looks matters:
+    # a root that is not new was begun under that lock, so if the lock is gone by now, the root is finished.
+    if st.is_new(path) or being_created(path):
+        with creating(path):
+            stored = st.read_root_attrs(path)
+            if stored is None:
+                return st.write_root(path, provenance)
+    else:
+        stored = st.read_root_attrs(path)
     diffs = provenance_differences(stored, provenance)
     if diffs:
         raise st.StoreError(

@@ -78,7 +78,7 @@ import numpy as np
 
 from pipeline.encoding import ENCODINGS, part_names, parts_spec
 from pipeline.errors import StoreError, UserError
-from pipeline.store_lock import ShardLock, exists, is_local  # noqa: F401  (re-exported: st.exists, st.is_local)
+from pipeline.store_lock import ShardLock, exists, is_local, is_new  # noqa: F401  (re-exported: st.exists, ...)
 
 SCHEMA_VERSION = 1
 FROZEN_HEAD_FILE = "frozen_head.safetensors"
@@ -160,8 +160,9 @@ def token_arrays(encoding: str) -> tuple[str, ...]:
 
 def read_root_attrs(path: str, check: bool = True) -> Optional[dict]:
     """The store's `dflash` attrs, None if the path does not exist; StoreError if it is not a dflash store,
-    StoreDataError if (check) the provenance does not match its recorded checksum."""
-    if not exists(path):
+    StoreDataError if (check) the provenance does not match its recorded checksum. A path that holds nothing but
+    the creation lock (a root being created) does not exist yet either."""
+    if is_new(path):
         return None
     zarr = _zarr()
     try:

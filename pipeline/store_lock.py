@@ -20,6 +20,10 @@ The protocol (pipeline/store.py's docstring gives the user-level view):
 - A parent process may hold the lock for a child that does the writing (`dflash extract` and its workers):
   it adds the child's pid (`add_pid`), and the child `adopt`s the lock by its token instead of acquiring.
 - Release removes the lock if it still carries the holder's token.
+- Creating a store's root takes the same kind of lock (`STORE/locks/create.lock`, `creating`), but a run that
+  finds it live waits for it instead of stopping: of runs that start on a new store at once (the same command
+  in a second shell, the nodes of a multi-node extraction), one creates the root and the others then open it
+  and compare provenance. zarr's own create is not atomic (a second creator fails with ContainsGroupError).
 - Object stores (fsspec URLs) have no atomic create: there the lock is best effort (exists, write, read
   back); the commit-time checks in pipeline/store.py still stop a second writer before it shrinks anything.
 Clocks of machines that share a store must agree to well within the ttl (default 120 s).
@@ -34,11 +38,13 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 from pipeline.errors import StoreError
+from pipeline.procinfo import machine_id, pid_alive, read_text, start_time, started_at
 
 LOCKS_DIR = "locks"
 DEFAULT_TTL = 120.0  # seconds without a heartbeat after which a holder on another machine counts as dead
@@ -63,53 +69,33 @@ def exists(path: str) -> bool:
     return fs.exists(p)
 
 
-def lock_path(store: str, index: int) -> str:
-    return f"{str(store).rstrip('/')}/{LOCKS_DIR}/shard-{index:05d}.lock"
+def is_new(path: str) -> bool:
+    """Nothing but (perhaps) the locks directory is at `path`: no store yet, or one whose root is being created
+    (`creating` puts its lock there first). An empty directory is new too."""
+    if is_local(path):
+        p = Path(str(path).removeprefix("file://"))
+        return not p.exists() or (p.is_dir() and all(c.name == LOCKS_DIR for c in p.iterdir()))
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    return not fs.exists(p) or all(str(n).rstrip("/").rsplit("/", 1)[-1] == LOCKS_DIR
+                                   for n in fs.ls(p, detail=False))
+
+
+def being_created(path: str) -> bool:
+    """Another run holds (or a killed one left) the creation lock of `path`'s root."""
+    return _FS(path).read(lock_path(path, None)) is not None
+
+
+def lock_path(store: str, index: Optional[int]) -> str:
+    """Shard `index`'s lock; index None is the creation lock (`creating`)."""
+    name = "create" if index is None else f"shard-{index:05d}"
+    return f"{str(store).rstrip('/')}/{LOCKS_DIR}/{name}.lock"
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Who is alive
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _read_text(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-def machine_id() -> str:
-    """Boot id + pid namespace: two processes with equal ids can see each other's pids."""
-    boot = _read_text("/proc/sys/kernel/random/boot_id")
-    try:
-        ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        ns = ""
-    return f"{boot}/{ns}" if boot and ns else f"host:{socket.gethostname()}"
-
-
-def _start_time(pid: int) -> Optional[int]:
-    """The process's start time in clock ticks since boot (tells a pid from a later reuse of it), or None."""
-    stat = _read_text(f"/proc/{pid}/stat")
-    if not stat:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] == "Z" else int(fields[19])  # a zombie has exited
-
-
-def pid_alive(pid: int, start: Optional[int] = None) -> bool:
-    """Whether process `pid` runs on this machine (and, given its start time, is the same process)."""
-    if Path("/proc/self/stat").exists():
-        now = _start_time(pid)
-        return now is not None and (start is None or now == start)
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _pids(rec: dict) -> list[tuple[int, Optional[int]]]:
@@ -124,15 +110,6 @@ def _pids(rec: dict) -> list[tuple[int, Optional[int]]]:
     return out
 
 
-def _started_at(pid: int) -> Optional[float]:
-    """The unix time process `pid` started (Linux: boot time + its start ticks), or None."""
-    ticks = _start_time(pid)
-    btime = next((line.split()[1] for line in _read_text("/proc/stat").splitlines() if line.startswith("btime ")), None)
-    if ticks is None or btime is None:
-        return None
-    return int(btime) + ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _lock_started(rec: dict) -> Optional[float]:
     try:
         return datetime.fromisoformat(str(rec["started"])).timestamp()
@@ -144,7 +121,7 @@ def holder_alive(rec: dict, pid: int, start: Optional[int]) -> bool:
     """Whether `pid` of this machine's lock record still runs as the holder (see the module contract)."""
     if start is not None or not pid_alive(pid):
         return pid_alive(pid, start)
-    began, taken = _started_at(pid), _lock_started(rec)
+    began, taken = started_at(pid), _lock_started(rec)
     return began is None or taken is None or began <= taken + 2.0  # 2 s: boot time is in whole seconds
 
 
@@ -155,7 +132,7 @@ def is_live(rec: dict, now: Optional[float] = None) -> bool:
 
 
 def _runs_now(pid: int) -> str:
-    args = _read_text(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+    args = read_text(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
     return f"pid {pid} runs `{args[:120]}` now" if args else ""
 
 
@@ -257,7 +234,7 @@ def _parse(raw: Optional[bytes]) -> Optional[dict]:
 
 
 class ShardLock:
-    def __init__(self, store: str, index: int, rec: dict):
+    def __init__(self, store: str, index: Optional[int], rec: dict):
         self.store, self.index, self.rec = store, index, rec
         self.path = lock_path(store, index)
         self._fs = _FS(store)
@@ -270,12 +247,12 @@ class ShardLock:
         return self.rec["token"]
 
     @classmethod
-    def acquire(cls, store: str, index: int, command: str = "", ttl: float = DEFAULT_TTL,
+    def acquire(cls, store: str, index: Optional[int], command: str = "", ttl: float = DEFAULT_TTL,
                 heartbeat: bool = True) -> "ShardLock":
         """Take shard `index`'s lock or raise ShardLockedError naming its live holder."""
         pid = os.getpid()
         rec = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "machine": machine_id(),
-               "pids": [[pid, _start_time(pid)]], "command": command,
+               "pids": [[pid, start_time(pid)]], "command": command,
                "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "heartbeat": time.time(),
                "ttl": ttl}
         lock = cls(store, index, rec)
@@ -339,7 +316,7 @@ class ShardLock:
 
     def add_pid(self, pid: int) -> None:
         """Record a child that writes under this lock: the lock is live while any recorded pid runs."""
-        self.rec["pids"].append([pid, _start_time(pid)])
+        self.rec["pids"].append([pid, start_time(pid)])
         self.refresh()
 
     def refresh(self) -> None:
@@ -386,6 +363,33 @@ def acquire_all(store: str, indices: list[int], command: str) -> list[ShardLock]
     return locks
 
 
+@contextmanager
+def creating(store: str, wait_s: float = 120.0):
+    """Held while the caller creates (or finds) the root group of `store`; waits up to `wait_s` for another
+    live creator (creating a root takes milliseconds; a dead creator's lock is taken over at once)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            lock = ShardLock.acquire(store, None, "create the store", heartbeat=False)
+            break
+        except OSError as e:
+            raise StoreError(f"cannot create the store at {store}: {e}; choose a writable --store path "
+                             "(or set store.path) with room for the features") from None
+        except ShardLockedError:
+            if time.monotonic() > deadline:
+                rec = holder(store, None) or {}
+                raise StoreError(
+                    f"another process (pid {', '.join(str(p) for p, _ in _pids(rec)) or '?'} on host "
+                    f"{rec.get('host', '?')}) has been creating the store at {store} for over {wait_s:.0f} s; "
+                    f"stop it and rerun (its lock {lock_path(store, None)} is then taken over), or remove that "
+                    "file if no such process runs") from None
+            time.sleep(0.05)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def refuse_if_held(store: str, indices: list[int]) -> None:
     """Raise ShardLockedError if a live process holds one of these shards: a cheap early look, before a run
     spends minutes on its set-up (`acquire_all` is what guarantees one writer)."""
@@ -397,7 +401,7 @@ def refuse_if_held(store: str, indices: list[int]) -> None:
             raise ShardLockedError(describe(rec, store, i))
 
 
-def holder(store: str, index: int) -> Optional[dict]:
+def holder(store: str, index: Optional[int]) -> Optional[dict]:
     """The record of shard `index`'s lock with "live": bool added, or None when unlocked."""
     rec = _parse(_FS(store).read(lock_path(store, index)))
     if rec is not None:

@@ -20,7 +20,8 @@ from pathlib import Path
 import socket
 
 from pipeline import store as st
-from pipeline.store_lock import DEFAULT_TTL, holder, pid_alive
+from pipeline.procinfo import pid_alive
+from pipeline.store_lock import DEFAULT_TTL, holder
 
 
 def _age(t: float) -> str:

@@ -11,14 +11,20 @@ from pipeline.provenance import create_or_open_store
 from pipeline.encoding import encode
 
 
+def synthetic_provenance(hidden: int = 64, chunk_tokens: int = 64, max_length: int = 256,
+                         fingerprint: str = "t") -> dict:
+    """The root record of a one-shard int5 store of an 8-layer target (features of layers 1 and 3)."""
+    return {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_size": hidden, "vocab_size": 100,
+            "num_hidden_layers": 8, "tie_word_embeddings": False}, "layer_ids": [1, 3], "hidden_size": hidden,
+            "encoding": "int5", "chunk_tokens": chunk_tokens, "clevel": 1, "num_shards": 1,
+            "dataset": {"fingerprint": fingerprint, "validation_samples": 0}, "max_length": max_length}
+
+
 def synthetic_store(path: str, lengths: list[int], prompt, hidden: int = 64, chunk_tokens: int = 64,
                     max_length: int = 256, seed: int = 0) -> str:
     """Write a finished store at `path`, sample i of lengths[i] tokens with id i + 1, its first prompt(n) tokens
     unlabelled (prompt: a function of the length). Features are seeded random, encoded int5."""
-    prov = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_size": hidden, "vocab_size": 100,
-            "num_hidden_layers": 8, "tie_word_embeddings": False}, "layer_ids": [1, 3], "hidden_size": hidden,
-            "encoding": "int5", "chunk_tokens": chunk_tokens, "clevel": 1, "num_shards": 1,
-            "dataset": {"fingerprint": "t", "validation_samples": 0}, "max_length": max_length}
+    prov = synthetic_provenance(hidden, chunk_tokens, max_length)
     create_or_open_store(path, prov)
     w = st.ShardWriter(path, 0, prov)
     w.start("plan", len(lengths), sum(lengths))

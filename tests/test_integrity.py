@@ -26,7 +26,8 @@ from pipeline import store as st
 from pipeline.encoding import encode
 from pipeline.provenance import (check_frozen_head, create_or_open_store, start_frozen_head_check,
                                  target_differences, write_frozen_head)
-from pipeline.store_lock import ShardLock, ShardLockedError, lock_path, machine_id
+from pipeline.procinfo import machine_id
+from pipeline.store_lock import ShardLock, ShardLockedError, lock_path
 from stages.verify import verify_store
 
 from helpers_cli import HANG_S  # noqa: E402

@@ -6,7 +6,6 @@ who holds it and how to clear it."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
@@ -16,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from pipeline import store_lock as sl
+from pipeline.procinfo import machine_id, start_time
 
 
 def _plant(store: Path, pids, started: datetime) -> Path:
     path = Path(sl.lock_path(str(store), 0))
     path.parent.mkdir(parents=True, exist_ok=True)
-    rec = {"token": "old", "host": socket.gethostname(), "machine": sl.machine_id(), "pids": pids,
+    rec = {"token": "old", "host": socket.gethostname(), "machine": machine_id(), "pids": pids,
            "command": "dflash extract --config old.yaml", "started": started.isoformat(timespec="seconds"),
            "heartbeat": started.timestamp(), "ttl": 120.0}
     path.write_text(json.dumps(rec))
@@ -53,7 +53,7 @@ def test_a_reused_pid_without_a_recorded_start_is_taken_over(tmp_path, unrelated
 
 def test_a_reused_pid_with_another_recorded_start_is_taken_over(tmp_path, unrelated):
     store = tmp_path / "s.zarr"
-    _plant(store, [[unrelated, sl._start_time(unrelated) - 1]], datetime.now(timezone.utc))
+    _plant(store, [[unrelated, start_time(unrelated) - 1]], datetime.now(timezone.utc))
     lock = sl.ShardLock.acquire(str(store), 0, "dflash extract", heartbeat=False)
     lock.release()
 

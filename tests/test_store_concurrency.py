@@ -52,6 +52,46 @@ def _wait(condition, timeout=HANG_S):  # a hang guard only: correctness never de
     return False
 
 
+def _create_at_once(path, prov, barrier, results):
+    barrier.wait()  # every process calls create_or_open_store at the same moment
+    try:
+        results.put(("ok", create_or_open_store(path, prov)["dataset"]["fingerprint"]))
+    except st.StoreError as e:
+        results.put(("refused", str(e)))
+    except Exception as e:  # noqa: BLE001 - what the race used to raise (zarr's ContainsGroupError)
+        results.put(("crashed", f"{type(e).__name__}: {e}"))
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-run", "different-runs"])
+def test_runs_that_create_one_new_store_at_once_do_not_collide(tmp_path, same):
+    """CI caught two `dflash extract` runs (or nodes) starting on one new store: zarr's create is not atomic and
+    the second creator died with ContainsGroupError. Now one creates the root and the others open it: the same
+    run's processes all continue, a different run's are refused by name; the root holds one run's record."""
+    import multiprocessing as mp
+
+    from helpers_store import synthetic_provenance
+
+    ctx = mp.get_context("fork")
+    n, path = 6, str(tmp_path / "s.zarr")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    provs = [synthetic_provenance(fingerprint="run" if same else f"run{i}") for i in range(n)]
+    procs = [ctx.Process(target=_create_at_once, args=(path, provs[i], barrier, results)) for i in range(n)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=HANG_S) for _ in procs]
+    for p in procs:
+        p.join(timeout=HANG_S)
+    assert not [g for g in got if g[0] == "crashed"], got
+    ok = [g[1] for g in got if g[0] == "ok"]
+    stored = st.read_root_attrs(path)["dataset"]["fingerprint"]
+    if same:
+        assert ok == ["run"] * n and stored == "run"
+    else:
+        assert ok == [stored], got  # exactly one created it; every other run was told why it cannot continue
+        assert all("made by a different run" in g[1] for g in got if g[0] == "refused")
+    assert sorted(os.listdir(Path(path) / "locks")) == []  # the creation lock is given back
+
+
 @pytest.mark.slow
 def test_two_extractions_one_refused_the_other_killed_and_resumed_intact(tmp_path):
     store = str(tmp_path / "s.zarr")
@@ -91,7 +131,7 @@ def test_a_shard_held_on_another_node_is_refused_by_shard_index(tmp_path):
     samples, _ = ingest(cfg.data, tok)
     create_or_open_store(str(store), build_provenance(cfg, tok, samples, 2, "the other node"))  # it made the store
     lock = store / "locks" / "shard-00001.lock"
-    lock.parent.mkdir(parents=True)
+    lock.parent.mkdir(parents=True, exist_ok=True)  # (the store's creation left it, empty)
     lock.write_text(json.dumps({"token": "x", "host": "gpu-node-7", "machine": "elsewhere", "pids": [[4242, None]],
                                 "command": "dflash extract --shard-index 1", "started": "2026-11-30T08:00:00+00:00",
                                 "heartbeat": time.time(), "ttl": 600}))
