@@ -325,7 +325,8 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
     from stages.best_checkpoint import BestCheckpoint
     from stages.progress import (FinalCheckpoint, ProgressLines, ValidateAtEnd, ValidateSkippedOnResume,
                                  resumable_csv_logger, save_final)
-    from stages.train_stop import ForceOnSecondCtrlC, SigtermLikeCtrlC, StopRequest, end_stopped_run, stopped_by_user
+    from stages.train_stop import (ForceOnSecondCtrlC, SigtermLikeCtrlC, StopRequest, end_stopped_run, error_behind,
+                                   stopped_by_user)
     from stages.train_ckpt_io import AsyncCheckpointIO, LinkAfterWrite, wait_for_checkpoints
     from stages.train_task import DrafterTask
     from pipeline.quiet_log import quiet_third_party
@@ -457,6 +458,9 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
                     raise rendezvous_error(top, e, cfg.train.rendezvous_timeout_s) from None
                 if lost_peer(e):
                     exit_lost_peer(e, trainer, top, ckpt_dir, resume_command(command))
+            behind = error_behind(e)
+            if behind is not e:
+                raise behind from None
             raise
         return end_stopped_run(e, trainer, launcher=launcher, ckpt_dir=ckpt_dir, hint=resume_command(command))
     if not final.saved:  # fit returned without on_train_end (nothing to train: resumed at the last step)

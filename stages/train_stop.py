@@ -6,6 +6,8 @@ Contract:
   then raises is that stop (`stopped_by_user`), not a failure.
 - `ForceOnSecondCtrlC`: a second Ctrl-C while Lightning shuts down exits at once with 130 (a rank Lightning
   started leaves after its launcher, `_exit_after_launcher`, so the job never ends with -9).
+- `error_behind`: an error raised while Lightning tears down after an error the user can act on is reported as
+  that error (exit 2 and its message, not the teardown's traceback).
 - `end_stopped_run`: the stopped run's last words: the error a stop cut short named in one line, the ranks
   Lightning started killed, a checkpoint being written kept whole, the resume hint; then exit 130
   (`ExitCode.STOPPED`; returned by a rank Lightning started, `os._exit` in the job's own process).
@@ -60,6 +62,25 @@ def stopped_by_user(exc: BaseException, trainer) -> bool:
             getattr(trainer, "received_sigterm", False) or trainer.interrupted):
         return True
     return StopRequest.reason is not None
+
+
+def error_behind(exc: BaseException) -> BaseException:
+    """The error a run should report for `exc` out of `trainer.fit`: `exc` itself, unless it was raised while
+    Lightning tore down after an error the user can act on (a damaged chunk, a diverged loss: UserError or
+    NonFiniteLoss, found on its __context__ chain). Then that error, with the teardown's failure named in one
+    line on stderr: a loader worker shut down mid-batch must not turn exit 2 and its message into a traceback."""
+    from pipeline.errors import NonFiniteLoss, UserError
+
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (UserError, NonFiniteLoss)):
+            if e is not exc:
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                print(f"train: {type(exc).__name__} while stopping on the error below: {first}", file=sys.stderr)
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return exc
 
 
 class ForceOnSecondCtrlC(L.Callback):

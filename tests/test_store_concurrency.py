@@ -193,6 +193,30 @@ def test_train_stops_with_one_clear_error_on_a_damaged_store(tiny_store, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_teardown_failure_after_a_damaged_chunk_still_reports_the_chunk(tiny_store, tmp_path, monkeypatch, capsys):
+    """CI once saw the damaged-store run above end with a traceback out of Lightning's teardown (its loader
+    fetcher) instead of exit 2: an error raised while stopping on a store error must not hide it."""
+    from lightning.pytorch.loops import fetchers
+
+    from pipeline.config import load_config
+    from stages.train import run_train
+
+    bad = tmp_path / "bad.zarr"
+    shutil.copytree(tiny_store, bad)
+    (bad / "shards/00000/features/c/1/0/0").unlink()
+
+    def teardown_fails(self):
+        raise RuntimeError("DataLoader worker (pid 4242) exited unexpectedly")
+
+    monkeypatch.setattr(fetchers._DataFetcher, "teardown", teardown_fails)
+    cfg = load_config(TINY, [f"train.run_dir={tmp_path / 'r'}", "train.epochs=1"])
+    with pytest.raises(st.StoreDataError, match="shard 0, array features, chunk 1 "):
+        run_train(cfg, store=str(bad), export=False)
+    assert "train: RuntimeError while stopping on the error below: DataLoader worker (pid 4242) exited" in (
+        capsys.readouterr().err)
+
+
+@pytest.mark.slow
 def test_train_refuses_another_checkpoint_with_the_same_name(tiny_store, tmp_path):
     from pipeline.config import load_config
 
