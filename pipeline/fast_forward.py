@@ -192,23 +192,45 @@ def _norm_forward(norm: nn.Module, ops):
     return forward
 
 
+def _cache_name(fn) -> str:
+    """The keyword under which transformers' `fn` takes the cache: `cache` (transformers >= 5.2x), `cache_params`
+    (a GDN of 5.1x) or `past_key_values` (an attention or decoder layer of 5.1x). Handing it under another
+    name drops it into **kwargs, and the module silently runs without its cache (issue 30's GPU failure on the
+    device's transformers 5.17)."""
+    from pipeline.target_cache import _cache_kwarg
+
+    return _cache_kwarg(fn)
+
+
+def _linear_states(cache, idx: int):
+    """(conv state [B, D, W] or None, recurrent state [B, HV, K, V] or None) of linear-attention layer `idx`, None
+    when neither holds yet; raises ValueError if layer `idx` of the cache is not a linear-attention one. Through
+    the cache's getters where transformers has them (5.2x), else its layer's own dicts (5.1x: the same ones)."""
+    if hasattr(cache, "get_conv_state"):
+        return cache.get_conv_state(idx), cache.get_recurrent_state(idx)
+    layer = cache.layers[idx]
+    if not isinstance(getattr(layer, "conv_states", None), dict):
+        raise ValueError(f"cache layer {idx} is not a linear-attention layer")
+    if not layer.has_previous_state[0]:
+        return None, None
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
 def _cached_mode(gdn: nn.Module, cache, T: int) -> Optional[str]:
     """How the fast GDN serves a call with `cache`: "prefill" (the layer has no state yet), "extend" (T > 1 new
     tokens after a state: a verify block, a rollback's replay) or None (transformers' forward: a one-token
     decode step, a cache recording its past for crop, a cache without transformers 5's linear-attention API)."""
     idx = gdn.layer_idx
-    if not all(hasattr(cache, f) for f in ("get_conv_state", "update_conv_state", "get_recurrent_state",
-                                            "update_recurrent_state")):
+    if not all(hasattr(cache, f) for f in ("update_conv_state", "update_recurrent_state", "layers")):
         return None
-    layers = getattr(cache, "layers", None)
-    if layers is not None and idx >= len(layers):
+    if idx >= len(cache.layers):
         return None
     recording = getattr(cache, "is_recording_past", None)
-    if recording is not None and recording(idx):
+    if (recording(idx) if recording is not None else getattr(cache.layers[idx], "record_past", False)):
         return None
     try:
-        conv, rec = cache.get_conv_state(idx), cache.get_recurrent_state(idx)
-    except ValueError:  # not a linear-attention layer of this cache: transformers' forward says what is wrong
+        conv, rec = _linear_states(cache, idx)
+    except (ValueError, AttributeError, KeyError, TypeError):  # not a linear-attention layer, or an unknown cache
         return None
     if conv is None and rec is None:
         return "prefill"
@@ -219,27 +241,28 @@ def _cached_mode(gdn: nn.Module, cache, T: int) -> Optional[str]:
 
 def _gdn_forward(gdn: nn.Module, ops, gate_in_kernel: bool):
     ref = type(gdn).forward
+    ref_kw = _cache_name(ref)
     conv_w = gdn.conv1d.weight.detach().squeeze(1)  # [D, W], a view
     W = gdn.conv_kernel_size
     K, V, dk, dv = gdn.key_dim, gdn.value_dim, gdn.head_k_dim, gdn.head_v_dim
 
     def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
         if cache is None:
-            cache = kwargs.pop("cache_params", None)  # transformers' deprecated name
+            cache = kwargs.pop("cache_params", None)  # the name of transformers 5.1x
         mode = _cached_mode(gdn, cache, hidden_states.shape[1]) if cache is not None else None
         if (cache is not None and mode is None) or kwargs.get("cu_seq_lens_q") is not None:
-            return ref(gdn, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            return ref(gdn, hidden_states, attention_mask=attention_mask, **{ref_kw: cache}, **kwargs)
         if attention_mask is not None:  # zero the padded tokens, as transformers does
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         B, T, _ = hidden_states.shape
         pre = gdn.in_proj_qkv(hidden_states)  # [B, T, 2K + V], before the conv
         conv_kw = dict(weight=conv_w, bias=gdn.conv1d.bias, activation=gdn.activation)
         if mode == "extend":  # the conv reads the cached last W inputs first, as transformers' cat does
-            state = cache.get_conv_state(gdn.layer_idx)  # [B, D, W]
+            state = _linear_states(cache, gdn.layer_idx)[0]  # [B, D, W]
             qkv = ops.causal_conv1d(torch.cat([state.transpose(1, 2).to(pre.dtype), pre], dim=1), **conv_kw)[0][:, -T:]
         else:
             qkv, _ = ops.causal_conv1d(pre, **conv_kw)  # [B, T, 2K + V], no transposes
-        initial = cache.get_recurrent_state(gdn.layer_idx) if mode == "extend" else None
+        initial = _linear_states(cache, gdn.layer_idx)[1] if mode == "extend" else None
         if cache is not None:  # the cache keeps the last W conv inputs, [B, D, W], written as transformers writes them
             cache.update_conv_state(pre[:, -W:].transpose(1, 2), gdn.layer_idx, conv_kernel_size=W)
         q, k, v = torch.split(qkv, [K, K, V], dim=-1)
@@ -268,19 +291,21 @@ def _layer_forward(layer: nn.Module, ops):
     w_in, w_post = _zero_centred(layer.input_layernorm), _zero_centred(layer.post_attention_layernorm)
     eps_in, eps_post = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
     mlp = layer.mlp
+    mixer = layer.linear_attn if layer.block_type == "linear_attention" else layer.self_attn
+    mixer_kw = _cache_name(type(mixer).forward)  # the name transformers' mixer takes (ours, rebound, takes both)
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
                 **kwargs):
         if cache is None:
-            cache = kwargs.pop("past_key_values", None)  # transformers' deprecated name
+            cache = kwargs.pop("past_key_values", None)  # the name of transformers 5.1x
         # norms, residual adds and MLP are per token: the same with or without a cache; the token mixer gets the
         # cache and decides (the GDN above; attention is transformers' own, KV cache included)
         h = ops.rms_norm(hidden_states, w_in, None, eps=eps_in)  # [B, T, H]
         if layer.block_type == "linear_attention":
-            h = layer.linear_attn(hidden_states=h, cache=cache, attention_mask=attention_mask, **kwargs)
+            h = layer.linear_attn(hidden_states=h, attention_mask=attention_mask, **{mixer_kw: cache}, **kwargs)
         else:
             h, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=cache, position_embeddings=position_embeddings, **kwargs)
+                                   position_embeddings=position_embeddings, **{mixer_kw: cache}, **kwargs)
         h, residual = ops.rms_norm(h, w_post, None, residual=hidden_states, eps=eps_post, prenorm=True)
         return residual + mlp.down_proj(ops.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))  # [B, T, H]
 
