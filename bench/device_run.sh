@@ -14,6 +14,8 @@
 #   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
 #   bash bench/device_run.sh startup e2emfu ddpopts                          (issue 22, in this order: 2 GPUs)
 #   bash bench/device_run.sh startup e2emfu                                  (issue 31: start-up phases, checkpoint stall, MFU)
+#   bash bench/device_run.sh gpuleft                                         (what wave 4 left: the GPU train pipeline
+#        and the cached fast forward's GPU test; then issue 28's long-mix row: PM_MIXES=long, part packmfu)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)
 #   FT_SEEDS=8 FT_DELAY=3 bash bench/device_run.sh followtau                 (issue 17's tau pairs on host CPUs, 800 samples;
 #        the full 3,236 with a 3 s delay per batch did not finish a pair in 8 min)
