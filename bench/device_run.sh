@@ -14,6 +14,8 @@
 #   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
 #   bash bench/device_run.sh startup e2emfu ddpopts                          (issue 22, in this order: 2 GPUs)
 #   bash bench/device_run.sh startup e2emfu                                  (issue 31: start-up phases, checkpoint stall, MFU)
+#   NODE_PHASES=prepare bash bench/device_run.sh node8                       (issue 34 on nvidia-h200-x8; then the
+#        phases run, extract, train: one call each, bench/node_bench.py)
 #   bash bench/device_run.sh gpuleft                                         (what wave 4 left: the GPU train pipeline
 #        and the cached fast forward's GPU test; then issue 28's long-mix row: PM_MIXES=long, part packmfu)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)

@@ -303,6 +303,18 @@ def concurrent(c: Ctx) -> list:
                    hide=r"Warning|warn\(", clean=[])]
 
 
+@part("node8")
+def node8(c: Ctx) -> list:
+    """Issue 34 on nvidia-h200-x8: `dflash run` 0-4 + 5-7, then extract alone on 0-4 and train alone on 5-7 and 5.
+    NODE_PHASES picks phases (prepare, run, extract, train); one call per phase fits the 10-minute limit, and the
+    27B checkpoint under out/node8 is kept for the next call on the same warm machine."""
+    root = str(c.tmp / "nb") if c.tiny else os.environ.get("NODE_ROOT", str(ROOT / "out" / "node8"))
+    args = ["--root", root, "--phases", c.var("NODE_PHASES", "prepare,run,extract,train", "prepare,run,extract,train"),
+            "--out", str(c.out / "node8.json")]
+    return [_bench(c, "node_bench.py", args, ["--tiny"], "node8.log", timeout=float(c.var("NODE_LIMIT", "590", "600")),
+                   show=12, hide=r"Warning|warn\(")]
+
+
 def _study(c: Ctx, script: str, name: str, args: list, tiny: list, limit: str, env: dict | None = None) -> Step:
     """A seeded study writing rows to TMP/NAME/results.jsonl, copied to OUT as they come (a cut-short call keeps them)."""
     d = c.tmp / name
