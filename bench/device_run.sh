@@ -13,7 +13,8 @@
 #   bash bench/device_run.sh long                                            (issue 19.6: 2K-16K samples, ~4 min)
 #   bash bench/device_run.sh extractgil                                      (issue 22: bf16 extraction's loss; fla wheels)
 #   bash bench/device_run.sh startup e2emfu ddpopts                          (issue 22, in this order: 2 GPUs)
-#   bash bench/device_run.sh startup e2emfu                                  (issue 31: start-up phases, checkpoint stall, MFU)
+#   bash bench/device_run.sh startup e2emfu e2eprof                          (issue 31: start-up phases, checkpoint stall, MFU,
+#        and the profile of 10 end-to-end steps)
 #   NODE_PHASES=prepare bash bench/device_run.sh node8                       (issue 34 on nvidia-h200-x8; then the
 #        phases run, extract, train: one call each, bench/node_bench.py)
 #   bash bench/device_run.sh gpuleft                                         (what wave 4 left: the GPU train pipeline

@@ -175,6 +175,18 @@ def e2emfu(c: Ctx) -> list:
                  only=r"first batch done|start-up|checkpoint|Error|error|^run |^warm|^cold|MFU")]
 
 
+@part("e2eprof")
+def e2eprof(c: Ctx) -> list:
+    """Issue 31's missing profile (1 GPU, ~2 min after e2emfu in the same call, which leaves its store and a warm
+    compile cache; alone it builds them): `dflash train` at the 27B shape with train.profile_steps over 10 steps
+    past the warm-up: wall ms per step, GPU busy/idle, kernel families, host ops (the e2e-vs-bench gap)."""
+    window = c.var("E2EPROF_WINDOW", "20,30", "2,4")
+    return [_e2e(c, "64", "", ["--reuse", "--steps", c.var("E2EPROF_STEPS", "32", "5"),
+                 "--gpus", f"0@train.profile_steps=[{window}]", "--out", str(c.out / "e2e_profile.json")],
+                 "e2e_profile.log", limit="300", show=40,
+                 only=r"first batch done|profiled|^\||^GPU|^optimizer steps|Error|error|MFU")]
+
+
 @part("ddpopts")
 def ddpopts(c: Ctx) -> list:
     """Issue 22 item 2 (2 GPUs, right after e2emfu in the same call: its store, cache and 1-GPU rate): torch's DDP

@@ -217,12 +217,16 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
         (ta, sa), (tb, sb) = stamps[2], stamps[-1]
         steady = (sb - sa) / (tb - ta)
     kept = keep(run_dir) if keep else None  # what the caller reads of the run before it goes
+    profile = None  # train.profile_steps' window (stages/train_profile.py), printed and kept
+    if (run_dir / "logs" / "profile-rank0.json").exists():
+        print((run_dir / "logs" / "profile-rank0.txt").read_text(), flush=True)
+        profile = json.loads((run_dir / "logs" / "profile-rank0.json").read_text())
     shutil.rmtree(run_dir, ignore_errors=True)  # a 27B-shape checkpoint is ~21 GB (fp32 weights + AdamW)
     return {"rc": rc, "gpus": gpus, "wall_s": time.time() - t0, "first_batch_s": first, "first_batch_per_rank_s": firsts,
             "steady_steps_s": steady, "steps": stamps[-1][1] if stamps else 0, "final_checkpoint_s": final,
             "startup_phases_s": startup, "checkpoint_stalls_s": stalls,
             "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at,
-            "useful": kept, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
+            "useful": kept, "profile": profile, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
 
 def main() -> int:

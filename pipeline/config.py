@@ -168,6 +168,9 @@ class TrainConfig:
     num_nodes: int = 1
     rendezvous_timeout_s: float = 300.0  # every rank must join the process group and pass the start-up check by then
     collective_timeout_s: float = 1800.0  # after the start-up check: a collective that waits longer fails (NCCL's watchdog)
+    # [first, last): optimizer steps profiled with torch.profiler (stages/train_profile.py): where a step's wall
+    # time goes (GPU busy and idle, kernel families, host ops) -> RUN/logs/profile-rank{R}.txt/.json; null: off
+    profile_steps: Optional[list[int]] = None
 
 
 @dataclass
@@ -380,6 +383,9 @@ def _validate(cfg: Config) -> None:
                           "pack_tokens or leave it unset (= data.max_length)")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:
         raise ConfigError(f"{src}: target.layer_ids must be strictly increasing, got {cfg.target.layer_ids}")
+    ps = cfg.train.profile_steps
+    if ps is not None and not ps[0] < ps[1]:
+        raise ConfigError(f"{src}: train.profile_steps = {ps} must be [first, last) with first < last, e.g. [20, 30]")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

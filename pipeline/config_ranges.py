@@ -119,6 +119,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("train", "num_nodes"): COUNT,
     ("train", "rendezvous_timeout_s"): Range(0, lo_open=True, text="positive (seconds)"),
     ("train", "collective_timeout_s"): Range(0, lo_open=True, text="positive (seconds)"),
+    ("train", "profile_steps"): Range(0, length=2, text="two optimizer steps [first, last), 0 or more"),
     ("eval", "max_new_tokens"): COUNT,
     ("eval", "num_prompts"): COUNT,
     ("eval", "max_anchors_per_sample"): COUNT,

@@ -372,14 +372,19 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
                              "with the checkpoint's setting (--set train.packing=... train.pack_tokens=...) or start "
                              "a new train.run_dir")
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
-    callbacks = []
+    callbacks, nodes = [], None
+    if cfg.train.profile_steps is not None:  # where a step's time goes (stages/train_profile.py)
+        from stages.train_profile import StepProfile
+
+        callbacks.append(StepProfile(*cfg.train.profile_steps, run_dir / "logs", cuda=use_gpu))
     if top.num_nodes > 1:  # every rank's config, store, data plan and checkpoint compared once the group forms
         from stages.train_nodes import nodes_check, store_facts
 
         facts = {"config": dump_config(cfg), "store": store_facts(store_path, attrs, reader),
                  "plan": {"stream_epochs": sorted(stream_epochs), "batches": len(sampler), "steps": planned},
                  "resume": resume_state and {"step": resume_state["global_step"], "loader": resume_state["loader"]}}
-        callbacks.append(nodes_check(top, facts, run_dir, cfg.train.collective_timeout_s))
+        nodes = nodes_check(top, facts, run_dir, cfg.train.collective_timeout_s)
+        callbacks.append(nodes)
     phases.mark("compile cache and loaders")
     run_dir.mkdir(parents=True, exist_ok=True)
     from pipeline.lifecycle import log_process_output
@@ -451,10 +456,10 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
                     weights_only=True)
     except BaseException as e:  # Lightning turns SIGTERM and Ctrl-C into SystemExit
         if not stopped_by_user(e, trainer):
-            if callbacks:  # across nodes: a group that never formed, or a node that went away
+            if nodes is not None:  # across nodes: a group that never formed, or a node that went away
                 from stages.train_nodes import exit_lost_peer, lost_peer, rendezvous_error
 
-                if not callbacks[0].passed and lost_peer(e):
+                if not nodes.passed and lost_peer(e):
                     raise rendezvous_error(top, e, cfg.train.rendezvous_timeout_s) from None
                 if lost_peer(e):
                     exit_lost_peer(e, trainer, top, ckpt_dir, resume_command(command))
