@@ -14,6 +14,9 @@ Contract:
   no layer past the deepest one used. Every parameter must come from the checkpoint (a tied head is the
   embedding); non-persistent buffers (rotary tables) are rebuilt from the config.
 - `read_frozen_head(d, dtype)` reads embed_tokens / lm_head / final norm straight from the checkpoint.
+- A block-wise FP8 checkpoint (Qwen's FP8 releases: pipeline/fp8_weights.py) loads as its real weights: every
+  FP8 tensor is dequantized with its `weight_scale_inv` on the way, in the target's dtype; any other
+  quantization is refused by name.
 - `peak_rss_bytes()` is this process's peak resident set (VmHWM), for the loading measurements.
 """
 
@@ -163,14 +166,18 @@ def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_laye
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from pipeline.fp8_weights import quantization
+
     d = Path(d)
+    block = quantization(d)  # block-wise FP8 (Qwen's FP8 release): dequantized while streaming
     cfg = text_config(d, keep_layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     params = dict(model.named_parameters())  # a tied head appears once, as the embedding
     persistent = {k for k in model.state_dict() if k not in params}
     by_file: dict[Path, list[tuple[str, str]]] = {}
-    for key, f in _tensor_names(d).items():
+    names = _tensor_names(d)
+    for key, f in names.items():
         mk = text_key(key)
         if mk in params or mk in persistent:
             by_file.setdefault(f, []).append((key, mk))
@@ -181,7 +188,7 @@ def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_laye
                 owner, _, attr = mk.rpartition(".")
                 mod = model.get_submodule(owner)
                 if mk in params:
-                    t = fh.get_tensor(key).to(params[mk].dtype)
+                    t = _real_weight(fh, key, names, dev, block, d).to(params[mk].dtype)
                     mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
                 else:
                     mod._buffers[attr] = fh.get_tensor(key).to(mod._buffers[attr].dtype)
@@ -200,12 +207,38 @@ def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_laye
     return model.requires_grad_(False).eval()
 
 
+def _real_weight(fh, key: str, names: dict[str, Path], dev: str, block, d: Path) -> torch.Tensor:
+    """Tensor `key` of the open shard `fh`; an FP8 one dequantized with its `_scale_inv` (pipeline/fp8_weights.py),
+    read from whichever shard holds it."""
+    from pipeline.fp8_weights import FP8, dequantize, scale_key
+
+    t = fh.get_tensor(key)
+    if t.dtype != FP8:
+        return t
+    sk = scale_key(key)
+    if block is None or sk not in names:
+        raise CheckpointError(f"{d}: {key} is stored in FP8 without {'its ' + sk if block else 'a quantization_config'}"
+                              "; dflash reads block-wise scaled FP8 checkpoints (config quantization_config with "
+                              "quant_method fp8, a weight_scale_inv per weight), as Qwen's FP8 releases are")
+    from safetensors import safe_open
+
+    if names[sk] == names[key]:
+        scale = fh.get_tensor(sk)
+    else:
+        with safe_open(str(names[sk]), "pt", device=dev) as other:
+            scale = other.get_tensor(sk)
+    return dequantize(t, scale, block)
+
+
 def read_frozen_head(d: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """embed_tokens.weight [V, H], lm_head.weight [V, H] (the embedding when tied) and norm.weight [H] from the
     checkpoint, as contiguous CPU tensors of `dtype`. Only these tensors are read."""
     from safetensors import safe_open
 
+    from pipeline.fp8_weights import quantization
+
     cfg = text_config(d)
+    block = quantization(Path(d))
     names = _tensor_names(d)
     want = {"model.embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "lm_head.weight",
             "model.norm.weight": "norm.weight"}
@@ -214,7 +247,7 @@ def read_frozen_head(d: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         mk = text_key(key)
         if mk in want:
             with safe_open(str(f), "pt") as fh:
-                out[want[mk]] = fh.get_tensor(key).to(dtype).contiguous()
+                out[want[mk]] = _real_weight(fh, key, names, "cpu", block, Path(d)).to(dtype).contiguous()
     if "embed_tokens.weight" not in out:
         raise CheckpointError(f"{d} has no embed_tokens weight")
     if bool(getattr(cfg, "tie_word_embeddings", False)):
