@@ -364,9 +364,10 @@ def acquire_all(store: str, indices: list[int], command: str) -> list[ShardLock]
 
 
 @contextmanager
-def creating(store: str, wait_s: float = 120.0):
+def creating(store: str, wait_s: float = DEFAULT_TTL + 60.0):
     """Held while the caller creates (or finds) the root group of `store`; waits up to `wait_s` for another
-    live creator (creating a root takes milliseconds; a dead creator's lock is taken over at once)."""
+    live creator (creating a root takes milliseconds). A dead creator's lock is taken over: at once on this
+    machine, after its ttl from another one, hence a wait longer than the ttl."""
     deadline = time.monotonic() + wait_s
     while True:
         try:

@@ -70,3 +70,24 @@ def test_a_lock_that_cannot_be_told_stale_is_refused_with_how_to_clear_it(tmp_pa
     assert f"pid {unrelated} runs `sleep 300` now" in msg  # what that pid is now
     assert f"The lock is {path}" in msg and "remove the lock file and rerun" in msg  # what it is, how to clear it
     assert path.exists()  # refused: nothing removed
+
+
+def test_a_creation_lock_left_by_a_killed_run_is_taken_over_and_the_store_made(tmp_path):
+    """A run killed while creating a new store's root leaves STORE/locks/create.lock: the next run takes it over
+    (its pid is gone) and creates the store, without waiting out the lock's ttl."""
+    from helpers_store import synthetic_provenance
+    from pipeline import store as st
+    from pipeline.provenance import create_or_open_store
+
+    store = tmp_path / "s.zarr"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    path = Path(sl.lock_path(str(store), None))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"token": "dead", "host": socket.gethostname(), "machine": machine_id(),
+                                "pids": [[gone.pid, None]], "command": "create the store",
+                                "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                "heartbeat": time.time(), "ttl": 120.0}))
+    assert st.read_root_attrs(str(store)) is None  # a directory holding only the lock is not a store yet
+    create_or_open_store(str(store), synthetic_provenance(fingerprint="new"))  # (a live lock: StoreError after 180 s)
+    assert st.read_root_attrs(str(store))["dataset"]["fingerprint"] == "new" and not path.exists()
