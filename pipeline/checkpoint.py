@@ -32,15 +32,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.errors import UserError
+from pipeline.errors import CheckpointError
 
 SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint that cannot be loaded as the target; the message names what is missing."""
 
 
 def weight_files(d: Path) -> list[Path]:

@@ -21,5 +21,10 @@ class StoreError(UserError, RuntimeError):
     its lock raise it; it lives here so the lock needs nothing of the store module)."""
 
 
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be loaded as the target; the message names what is missing (pipeline/checkpoint.py
+    and its FP8 format, pipeline/fp8_weights.py, raise it; it lives here so that neither imports the other)."""
+
+
 class NonFiniteLoss(RuntimeError):
     """Training produced a NaN/Inf loss (diverged); the message names the step and what to try."""

@@ -27,14 +27,14 @@ from typing import Optional
 
 import torch
 
+from pipeline.errors import CheckpointError
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 SCALE_SUFFIX = "_scale_inv"
 
 
 def quantization(d: Path) -> Optional[tuple[int, int]]:
-    from pipeline.checkpoint import CheckpointError
-
     cfg = json.loads((Path(d) / "config.json").read_text())
     q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
     if not q:
@@ -61,8 +61,6 @@ def _expand(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> t
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     want = (math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1]))
     if w.dim() != 2 or tuple(scale_inv.shape) != want:
-        from pipeline.checkpoint import CheckpointError
-
         raise CheckpointError(f"an FP8 weight of shape {tuple(w.shape)} has a scale of shape "
                               f"{tuple(scale_inv.shape)}, not {want} for blocks of {block}")
     return w.float() * _expand(scale_inv.to(w.device), w.shape, block)  # [out, in] fp32

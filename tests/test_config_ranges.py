@@ -78,13 +78,17 @@ def _yaml(v) -> str:
     return repr(v)
 
 
+PAIR_OTHER = {"betas": "0.9", "profile_steps": "5"}
+PAIR_GOOD = {"betas": lambda v: v, "profile_steps": lambda v: v + 1}  # the second entry beside a good first one
+
 CASES = [(s, k, bad) for (s, k), rng in RANGES.items() for bad in _bad_values(rng, FIELDS[(s, k)][0])]
 
 
 @pytest.mark.parametrize("section,key,bad", CASES, ids=[f"{s}.{k}={b}" for s, k, b in CASES])
 def test_a_value_out_of_range_is_one_line_naming_file_key_range_and_value(section, key, bad, tmp_path):
     is_list = FIELDS[(section, key)][2]
-    value = f"[{_yaml(bad)}, 0.9]" if key == "betas" else f"[{_yaml(bad)}]" if is_list else _yaml(bad)
+    # a pair's other entry a valid one (betas: both in [0, 1); profile_steps: [first, last) with first < last)
+    value = f"[{_yaml(bad)}, {PAIR_OTHER[key]}]" if key in PAIR_OTHER else f"[{_yaml(bad)}]" if is_list else _yaml(bad)
     path = tmp_path / "bad.yaml"
     path.write_text(f"{section}:\n  {key}: {value}\n")
     with pytest.raises(ConfigError) as e:
@@ -107,7 +111,8 @@ def test_the_bounds_themselves_and_null_are_accepted_where_allowed(section, key)
              ("train", "pack_tokens"): ["train.packing=true", "data.max_length=1"]}.get((section, key), [])
     for good in _good_values(RANGES[(section, key)], tp, nullable):
         value = _yaml(good)
-        value = f"[{value}, {value}]" if key == "betas" else f"[{value}]" if is_list and good is not None else value
+        value = (f"[{value}, {PAIR_GOOD[key](good)}]" if key in PAIR_GOOD and good is not None
+                 else f"[{value}]" if is_list and good is not None else value)
         cfg = load_config(TINY, [*extra, f"{section}.{key}={value}"])
         got = getattr(getattr(cfg, section), key)
         if key == "gamma" and good is None:  # null: the paper's value for the block size
