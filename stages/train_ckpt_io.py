@@ -1,8 +1,9 @@
 """Checkpoints off the training's critical path (issue 31 item 2): `dflash train`'s Lightning CheckpointIO.
 
 Contract:
-- A save copies the checkpoint to host memory (into pinned buffers on CUDA, reused by the next save: the first
-  save pays for pinning) and returns; a background thread writes that copy. Training waits only for the copy,
+- A save copies the checkpoint to host memory (into pinned buffers on CUDA, reused by the next save; they are
+  pinned in a background thread when training starts, beside the first batch's compile, so the first save does
+  not pay for pinning) and returns; a background thread writes that copy. Training waits only for the copy,
   and a second save for the first one's write (never more than one write in flight). Each written checkpoint
   logs one line: how long training waited, how long the write took behind it.
 - Every write is atomic: a temporary file next to the target, fsync, rename, fsync of the directory. A crash or
@@ -75,13 +76,44 @@ def fast_pinning() -> bool:
 
 
 class HostCopy:
-    """Copies a checkpoint's tensors to host memory; on CUDA into pinned buffers kept for the next save."""
+    """Copies a checkpoint's tensors to host memory; on CUDA into pinned buffers kept for the next save.
 
-    def __init__(self):
-        self.buffers: list[torch.Tensor] = []
+    The buffers are a pool keyed by (shape, dtype), each taken once per save (the order of the checkpoint's
+    tensors does not matter). `reserve` pins the pool for tensors the first save will hold in a background
+    thread (issue 31: the first save pinned ~21 GB at the 27B shape, a 4.5 s stall even with fast pinning);
+    a save waits for that thread, then allocates whatever the reservation did not foresee. `device_types`:
+    whose tensors go to the pool (tests use "cpu" with pin=False)."""
+
+    def __init__(self, device_types: tuple = ("cuda",), pin: bool = True):
+        self.pool: dict[tuple, list[torch.Tensor]] = {}
+        self.device_types, self.pin = device_types, pin
+        self._reserving: threading.Thread | None = None
+        self.reserved = 0  # buffers the reservation made (tests and the log read it)
+
+    def reserve(self, specs: list[tuple[tuple, torch.dtype]]) -> None:
+        """Pin buffers for `specs` [(shape, dtype)] in a background thread (the first save waits for it)."""
+        def run():
+            if self.pin:
+                fast_pinning()  # before the first pinned buffer: the allocator reads it once
+            for shape, dtype in specs:
+                self.pool.setdefault((tuple(shape), dtype), []).append(self._alloc(shape, dtype))
+                self.reserved += 1
+
+        self._reserving = threading.Thread(target=run, name="dflash-pin", daemon=True)
+        self._reserving.start()
+
+    def join(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+
+    def _alloc(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=self.pin)
 
     def __call__(self, obj):
-        self.i, self.cuda = 0, False
+        self.join()
+        self.taken: dict[tuple, int] = {}
+        self.cuda = False
         out = self._copy(obj)
         if self.cuda:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies are complete
@@ -100,20 +132,27 @@ class HostCopy:
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
-        if t.device.type != "cuda":
+        if t.device.type not in self.device_types:
             return t.clone()  # the next step changes parameters and optimizer state in place
-        self.cuda = True
-        i, self.i = self.i, self.i + 1
-        buf = self.buffers[i] if i < len(self.buffers) else None
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            if not self.buffers and i == 0:
-                fast_pinning()  # before the first pinned buffer: the allocator reads it once
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            if i < len(self.buffers):
-                self.buffers[i] = buf
-            else:
-                self.buffers.append(buf)
-        return buf.copy_(t, non_blocking=True)
+        self.cuda = self.cuda or t.device.type == "cuda"
+        key = (tuple(t.shape), t.dtype)
+        bufs, j = self.pool.setdefault(key, []), self.taken.get(key, 0)
+        self.taken[key] = j + 1
+        if j == len(bufs):  # not foreseen (or no reservation): allocated now, kept for the next save
+            if self.pin and not any(self.pool.values()):
+                fast_pinning()
+            bufs.append(self._alloc(t.shape, t.dtype))
+        return bufs[j].copy_(t, non_blocking=True)
+
+
+def checkpoint_specs(module: torch.nn.Module, device_type: str = "cuda") -> list[tuple[tuple, torch.dtype]]:
+    """The device tensors a training checkpoint of `module` holds, as (shape, dtype): its state dict's, and two
+    moments per trainable parameter (AdamW's exp_avg and exp_avg_sq; foreach AdamW keeps its step on the CPU)."""
+    specs = [(tuple(t.shape), t.dtype) for t in module.state_dict().values()
+             if isinstance(t, torch.Tensor) and t.device.type == device_type]
+    moments = [(tuple(p.shape), p.dtype) for p in module.parameters()
+               if p.requires_grad and p.device.type == device_type]
+    return specs + moments + moments
 
 
 class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: weights_only, always
@@ -127,6 +166,7 @@ class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: 
         self._after: list[Callable[[], None]] = []
         self._writing = False  # a write is in flight and has not yet taken its after_write actions
         self._copy = HostCopy()
+        self.reserve = self._copy.reserve  # pin the first save's buffers early (stages/train_task.on_train_start)
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.stalls: list[float] = []  # training's wait per save, in seconds (tests and benches read it)
 

@@ -115,6 +115,11 @@ class DrafterTask(L.LightningModule):
 
     def on_train_start(self) -> None:  # after the checkpoint's states are restored
         self._plan_lr()
+        from stages.train_ckpt_io import AsyncCheckpointIO, checkpoint_specs
+
+        io = getattr(self.trainer.strategy, "checkpoint_io", None)
+        if self.device.type == "cuda" and self.trainer.is_global_zero and isinstance(io, AsyncCheckpointIO):
+            io.reserve(checkpoint_specs(self))  # pinned beside the first batch's compile, not at the first save
 
     def on_train_epoch_start(self) -> None:
         self._plan_lr()

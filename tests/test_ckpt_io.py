@@ -183,6 +183,13 @@ def test_cuda_tensors_go_to_pinned_buffers_reused_by_the_next_save():
     w.add_(1.0)
     second = copy({"state_dict": {"w": w}, "step": 2})
     assert second["state_dict"]["w"].data_ptr() == buf and torch.equal(second["state_dict"]["w"], w.cpu())
+    early = HostCopy()  # pinned at training start (stages/train_task.on_train_start): the first save uses them
+    early.reserve([((1024, 1024), torch.float32)])
+    early.join()
+    pinned = early.pool[((1024, 1024), torch.float32)][0]
+    assert pinned.is_pinned()
+    out = early({"state_dict": {"w": w}})["state_dict"]["w"]
+    assert out.data_ptr() == pinned.data_ptr() and torch.equal(out, w.cpu())
 
 
 def test_fast_pinning_finds_torchs_host_allocator_setting():
@@ -191,3 +198,43 @@ def test_fast_pinning_finds_torchs_host_allocator_setting():
     from stages.train_ckpt_io import fast_pinning
 
     assert fast_pinning() is True
+
+
+def test_reserved_buffers_take_the_first_saves_copies_in_any_order_and_are_reused():
+    """The pool pinned at training start (here unpinned CPU buffers) receives the first save's tensors, whatever
+    their order; two tensors of one shape get two buffers; an unforeseen one is allocated then and kept."""
+    from stages.train_ckpt_io import HostCopy
+
+    copy = HostCopy(device_types=("cpu",), pin=False)
+    copy.reserve([((4, 4), torch.float32), ((4, 4), torch.float32), ((3,), torch.bfloat16)])
+    copy.join()
+    reserved = {b.data_ptr() for bufs in copy.pool.values() for b in bufs}
+    assert copy.reserved == 3 and len(reserved) == 3
+    a, b, c, extra = torch.randn(4, 4), torch.randn(4, 4), torch.randn(3).bfloat16(), torch.randn(2, 5)
+    first = copy({"opt": [c, b], "state_dict": {"a": a, "x": extra}, "step": 7})
+    got = [first["opt"][0], first["opt"][1], first["state_dict"]["a"]]
+    assert {t.data_ptr() for t in got} == reserved
+    assert all(torch.equal(x, y) for x, y in zip(got, [c, b, a])) and torch.equal(first["state_dict"]["x"], extra)
+    assert first["step"] == 7 and first["state_dict"]["x"].data_ptr() not in reserved
+    a.add_(1.0)
+    second = copy({"state_dict": {"a": a, "x": extra}, "opt": [b, c]})
+    assert {second["state_dict"]["a"].data_ptr(), second["opt"][0].data_ptr(), second["opt"][1].data_ptr()} == reserved
+    assert torch.equal(second["state_dict"]["a"], a) and sum(len(v) for v in copy.pool.values()) == 4
+
+
+def test_checkpoint_specs_foresee_every_tensor_of_a_training_checkpoint():
+    """The reservation's forecast is the multiset of (shape, dtype) of the model's state dict and AdamW's
+    (foreach) moments after a step: a wrong forecast would bring the first save's pinning stall back."""
+    from collections import Counter
+
+    from stages.train_ckpt_io import checkpoint_specs
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4, bias=False))
+    model[1].weight.requires_grad_(False)
+    model.register_buffer("seen", torch.zeros(3, dtype=torch.long))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    held = [t for t in model.state_dict().values()]
+    held += [v for s in opt.state_dict()["state"].values() for k, v in s.items() if k != "step"]  # step: CPU scalar
+    assert Counter(checkpoint_specs(model, "cpu")) == Counter((tuple(t.shape), t.dtype) for t in held)
