@@ -8,7 +8,10 @@ GPU; fixed batches of 8 x 2048 tokens (no padding). Steps, all in one process:
    profiled pass (torch.profiler, device time by kernel family, top kernels);
 2. the same with the fast forward installed;
 3. `pipelined_extract` (capture, GPU encode, pinned side-stream copy, writer thread, Zarr store) over --batches
-   batches per encoding, with the fast forward, against the fast bare forward over the same batches.
+   batches per encoding, with the fast forward, against the fast bare forward over the same batches;
+4. (issue 30 item 4; --no-fp8-gemm skips it) the fast forward with the decoder layers' linears as row-scaled FP8
+   GEMMs (bench/fp8_gemm.py): tokens/s, kernel families, and each tap layer's output against the bf16 fast
+   forward's on 2 x --seq tokens (cosine, relative error).
 
     python bench/fastfwd_bench.py --out $OUT/fastfwd.json                       # the GPU part (device_run.sh fastfwd)
     python bench/fastfwd_bench.py --tiny --device cpu --ops torch --out x.json  # CPU smoke run (torch stand-ins)
@@ -92,6 +95,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kernel-cache", default=None)
     ap.add_argument("--store-dir", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-fp8-gemm", action="store_true", help="skip step 4 (FP8 GEMMs)")
     a = ap.parse_args(argv)
 
     import pipeline.fast_forward as ff
@@ -145,6 +149,13 @@ def main(argv=None) -> None:
     if "fast" in results:
         results["speedup"] = results["fast"]["tok_s"] / results["reference"]["tok_s"]
         results["extraction"] = extraction(a, model, layer_ids, cfg, batches, dev, sync, one)
+        if not a.no_fp8_gemm:
+            try:
+                results["fp8_gemm"] = fp8_gemms(base, layer_ids, batches[0][:2], one, measure)
+                results["fp8_gemm"]["speedup_vs_fast"] = results["fp8_gemm"]["tok_s"] / results["fast"]["tok_s"]
+            except Exception as e:  # noqa: BLE001 - the figures before it are still reported
+                results["fp8_gemm_error"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"FP8 GEMMs FAILED: {results['fp8_gemm_error']}", flush=True)
     _print(results)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
@@ -185,9 +196,25 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
     return out
 
 
+def fp8_gemms(base, layer_ids, probe, one, measure) -> dict:
+    """Step 4: the decoder layers' linears to FP8 GEMMs; speed, and the tap layers' outputs on `probe` against
+    the bf16 fast forward's."""
+    from bench import fp8_gemm
+
+    with torch.inference_mode():
+        ref = fp8_gemm.tap_outputs(base.layers, layer_ids, lambda: one(probe))
+    n = fp8_gemm.convert(base.layers)
+    r = measure("fast forward, FP8 GEMMs")
+    with torch.inference_mode():
+        new = fp8_gemm.tap_outputs(base.layers, layer_ids, lambda: one(probe))
+    r.update(linears=n, features=fp8_gemm.feature_error(ref, new), probe_tokens=probe.numel())
+    return r
+
+
 def _print(r: dict) -> None:
     print(f"\n{r['shape']} on {r.get('gpu', r['device'])} (ops: {r['ops']})")
-    rows = [("reference", r["reference"])] + ([("fast", r["fast"])] if "fast" in r else [])
+    rows = [("reference", r["reference"])] + ([("fast", r["fast"])] if "fast" in r else []) + \
+        ([("fast fp8", r["fp8_gemm"])] if "fp8_gemm" in r else [])
     for name, x in rows:
         print(f"{name:<10} bare forward {x['tok_s']:>9.0f} tokens/s   first pass {x['first_pass_s']:.1f}s")
     if "speedup" in r:
@@ -208,6 +235,14 @@ def _print(r: dict) -> None:
         for enc, x in e["encodings"].items():
             print(f"  {enc:<6} {x['tok_s']:>9.0f} tokens/s  {x['ratio_vs_bare']:.3f}  before the final drain "
                   f"{x['ratio_before_drain']:.3f}  (goal >= 0.95: {'met' if x['ratio_vs_bare'] >= 0.95 else 'NOT met'})")
+    if "fp8_gemm" in r:
+        f = r["fp8_gemm"]
+        print(f"\nFP8 GEMMs ({f['linears']} linears): {f['tok_s']:.0f} tokens/s, {f['speedup_vs_fast']:.3f}x the bf16 "
+              f"fast forward; tap layers vs bf16 on {f['probe_tokens']} tokens:")
+        for i, e in f["features"].items():
+            print(f"  layer {i:>3}: cosine {e['cosine']:.5f}  rel. error {e['rel_err']:.4f}")
+    if "fp8_gemm_error" in r:
+        print(f"FP8 GEMMs failed: {r['fp8_gemm_error']}")
     if "fast_error" in r:
         print(f"fast forward failed: {r['fast_error']}")
 

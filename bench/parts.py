@@ -289,8 +289,9 @@ def longdiag(c: Ctx) -> list:
 def fastfwd(c: Ctx) -> list:
     """Issue 30 (~6 min on one GPU): the 27B hybrid (layers 0..61, 8 x 2048): bare forward reference vs fast (goal
     >= 12,000 tok/s), kernel families before/after, extraction int5/fp8/bf16 vs the fast bare forward (goal >= 0.95);
-    then the bf16 equality tests on a small-width hybrid (figures: fastfwd_equal.json; the cached test's in
-    fastfwd_test.log), which find most kernels tuned by the bench (their autotuning is the long part; the
+    then FP8 GEMMs (issue 30 item 4: speed, tap layers vs bf16); then the bf16 equality tests on a small-width
+    hybrid (figures: fastfwd_equal.json; the cached test's in fastfwd_test.log; FF_TEST_FILES adds other GPU
+    test files, FF_TEST_JOBS > 1 runs them side by side), which find most kernels tuned by the bench (their autotuning is the long part; the
     cached test tunes the delta rule with a state and the per-step decode kernels). Tiny: torch stand-ins of the kernels on the CPU."""
     kc = str(c.tmp / "kc")
     env = {"TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", kc), "TRITON_CACHE_AUTOTUNING": "1"}
@@ -300,8 +301,11 @@ def fastfwd(c: Ctx) -> list:
                                            *([] if c.tiny else ["--batches", c.var("FF_BATCHES", "8", "1")])],
                    tiny, "fastfwd.log", env=env, timeout=float(c.var("FF_LIMIT", "400", "900")), show=48,
                    hide=r"^\[transformers\]|USDT|falling back|_warn_once|Profiler clears")
-    test = Step([PY, "-m", "pytest", "-q", "-m", "gpu", "tests/test_fast_forward.py", "-p", "no:cacheprovider",
-                 "--tb=short", "-s", *(["--collect-only"] if c.tiny else [])], "fastfwd_test.log",
+    files = c.var("FF_TEST_FILES", "tests/test_fast_forward.py", "tests/test_fast_forward.py").split()
+    side = c.var("FF_TEST_JOBS", "1", "1")  # >1: pytest-xdist (from .whl on the GPU machine), one file a worker
+    test = Step([PY, "-m", "pytest", "-q", "-m", "gpu", *files, "-p", "no:cacheprovider", "--tb=short", "-s",
+                 *(["-n", side, "--dist", "loadfile"] if side != "1" else []),
+                 *(["--collect-only"] if c.tiny else [])], "fastfwd_test.log",
                 env={**env, "DFLASH_FASTFWD_REPORT": str(c.out / "fastfwd_equal.json")},
                 timeout=float(c.var("FF_TEST_LIMIT", "300", "600")), show=4, only=r"passed|failed|skipped|Error")
     return [bench, test]

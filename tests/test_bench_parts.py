@@ -132,3 +132,19 @@ def test_part_runs_at_its_tiny_size_on_the_cpu(name, tmp_path):
                 assert Path(o).is_file(), f"{n}: {o} not written\n{r.stdout[-3000:]}"
             for _src, dst in s.copy:  # a study's rows reached OUT
                 assert Path(dst).exists(), f"{n}: {dst} not copied\n{r.stdout[-3000:]}"
+
+
+def test_fastfwd_runs_the_named_gpu_test_files_side_by_side_on_the_gpu_only(tmp_path, monkeypatch):
+    """FF_TEST_FILES / FF_TEST_JOBS reach the GPU command (the device call that runs the bench and the GPU tests
+    of what changed); the tiny size keeps its collection of the fast forward's tests (no pytest-xdist here)."""
+    files = "tests/test_fast_forward.py tests/test_gpu_train.py tests/test_fp8_gemm.py"
+    monkeypatch.setenv("FF_TEST_FILES", files)
+    monkeypatch.setenv("FF_TEST_JOBS", "3")
+    bench, test = steps_of("fastfwd", tmp_path, False)
+    assert test.argv[test.argv.index("gpu") + 1:][:3] == files.split()
+    assert test.argv[test.argv.index("-n"):][:4] == ["-n", "3", "--dist", "loadfile"]
+    assert "--collect-only" not in test.argv and "--no-fp8-gemm" not in bench.argv
+    tiny = steps_of("fastfwd", tmp_path, True)[1].argv
+    assert "-n" not in tiny and "--collect-only" in tiny and "tests/test_gpu_train.py" not in tiny
+    for f in files.split():
+        assert (ROOT / f).exists(), f
