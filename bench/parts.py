@@ -179,9 +179,9 @@ def e2emfu(c: Ctx) -> list:
 def e2eprof(c: Ctx) -> list:
     """Issue 31's missing profile (1 GPU, ~2 min after e2emfu in the same call, which leaves its store and a warm
     compile cache; alone it builds them): `dflash train` at the 27B shape with train.profile_steps over 10 steps
-    past the warm-up: wall ms per step, GPU busy/idle, kernel families, host ops (the e2e-vs-bench gap)."""
-    window = c.var("E2EPROF_WINDOW", "20,30", "2,4")
-    return [_e2e(c, "64", "", ["--reuse", "--steps", c.var("E2EPROF_STEPS", "32", "5"),
+    past the warm-up, an epoch's first step among them (its loader refill: 0.3 s more than a step on 2026-12-01): wall ms per step, GPU busy/idle, kernel families, host ops (the e2e-vs-bench gap)."""
+    window = c.var("E2EPROF_WINDOW", "28,38", "2,4")  # holds step 33, an epoch's first (64 samples: 16 steps an epoch)
+    return [_e2e(c, "64", "", ["--reuse", "--steps", c.var("E2EPROF_STEPS", "40", "5"),
                  "--gpus", f"0@train.profile_steps=[{window}]", "--out", str(c.out / "e2e_profile.json")],
                  "e2e_profile.log", limit="300", show=40,
                  only=r"first batch done|profiled|^\||^GPU|^optimizer steps|Error|error|MFU")]

@@ -188,6 +188,21 @@ def train_command(config: str, store: Path, gpus: str, sets: list[str], cuda: bo
     return cmd + [a for s in sets for a in ("--set", s)]
 
 
+def step_bubbles(lines: list, skip: int = 3, slow: float = 1.2) -> dict:
+    """Where the steady window loses time: each logged step's interval (single-step logging) after the `skip`th,
+    the median, and the steps slower than `slow` x the median, named by what happened there (an epoch's first
+    step: the loader's refill; a checkpoint's copy)."""
+    steps = [(t, int(m.group(1)), int(m.group(2))) for t, x in lines
+             if (m := re.match(r"train: step (\d+)/\d+ epoch (\d+)", x))]
+    ckpts = [t for t, x in lines if re.match(r"train: checkpoint \S+ written", x)]
+    gaps = [(b[1], b[0] - a[0], b[2] != a[2]) for a, b in zip(steps, steps[1:]) if b[1] == a[1] + 1 and b[1] > skip]
+    if not gaps:
+        return {"median_step_s": None, "slow_steps": []}
+    med = sorted(g for _, g, _ in gaps)[len(gaps) // 2]
+    slow_steps = [{"step": n, "s": round(g, 3), "epoch_start": new} for n, g, new in gaps if g > slow * med]
+    return {"median_step_s": med, "slow_steps": slow_steps, "checkpoint_lines": len(ckpts)}
+
+
 def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str,
         extra: tuple = (), checkpoint_every: int = 100000, keep=None) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -216,6 +231,7 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     if len(stamps) >= 4:
         (ta, sa), (tb, sb) = stamps[2], stamps[-1]
         steady = (sb - sa) / (tb - ta)
+    bubbles = step_bubbles(lines)
     kept = keep(run_dir) if keep else None  # what the caller reads of the run before it goes
     profile = None  # train.profile_steps' window (stages/train_profile.py), printed and kept
     if (run_dir / "logs" / "profile-rank0.json").exists():
@@ -224,7 +240,7 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     shutil.rmtree(run_dir, ignore_errors=True)  # a 27B-shape checkpoint is ~21 GB (fp32 weights + AdamW)
     return {"rc": rc, "gpus": gpus, "wall_s": time.time() - t0, "first_batch_s": first, "first_batch_per_rank_s": firsts,
             "steady_steps_s": steady, "steps": stamps[-1][1] if stamps else 0, "final_checkpoint_s": final,
-            "startup_phases_s": startup, "checkpoint_stalls_s": stalls,
+            "startup_phases_s": startup, "checkpoint_stalls_s": stalls, **bubbles,
             "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at,
             "useful": kept, "profile": profile, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
@@ -318,6 +334,13 @@ def main() -> int:
               f"{end:>7.1f}{ex:>8.1f}{r['wall_s']:>8.0f}{max([s for _, s in r['checkpoint_stalls_s']], default=nan):>14.2f}")
         if r["startup_phases_s"]:
             print("    start-up: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup_phases_s"].items()))
+        if r.get("median_step_s") and keep is None:
+            med_mfu = accum / r["median_step_s"] * flops / (a.peak_tflops * 1e12)
+            r["mfu_at_median_step"] = med_mfu
+            slow = ", ".join(f"{x['step']}{' (epoch start)' if x['epoch_start'] else ''} {x['s']:.2f} s"
+                             for x in r["slow_steps"][:8]) or "none"
+            print(f"    steps: median {r['median_step_s']:.3f} s (MFU at the median {100 * med_mfu:.1f}%); "
+                  f"slower than 1.2x the median: {slow}")
     print(f"MFU: {flops / 1e12:.2f} useful TFLOP per sample, peak {a.peak_tflops:.0f} TFLOP/s per GPU, steady rate over the "
           "steps after the 3rd logged one (goal >= 68% over >= 50 steps); scaling: per-GPU samples/s vs the last 1-GPU "
           "run (goal >= 95%); ckpt stall: the longest training wait for a checkpoint (goal < 2 s)")

@@ -418,7 +418,7 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         pass
     trainer = L.Trainer(
         accelerator=accel, devices=devs, strategy=strategy, precision=precision, max_epochs=cfg.train.epochs,
-        max_steps=cfg.train.max_steps, gradient_clip_val=cfg.train.grad_clip,
+        max_steps=cfg.train.max_steps, gradient_clip_val=None,  # train.grad_clip: DrafterTask.configure_gradient_clipping
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
         callbacks=[*callbacks, checkpoint, progress, ForceOnSecondCtrlC(), ValidateAtEnd(), SigtermLikeCtrlC(),
                    BestCheckpoint(ckpt_dir),

@@ -145,14 +145,17 @@ class HostCopy:
         return bufs[j].copy_(t, non_blocking=True)
 
 
-def checkpoint_specs(module: torch.nn.Module, device_type: str = "cuda") -> list[tuple[tuple, torch.dtype]]:
+def checkpoint_specs(module: torch.nn.Module, device_type: str = "cuda",
+                     step_on_device: bool = False) -> list[tuple[tuple, torch.dtype]]:
     """The device tensors a training checkpoint of `module` holds, as (shape, dtype): its state dict's, and two
-    moments per trainable parameter (AdamW's exp_avg and exp_avg_sq; foreach AdamW keeps its step on the CPU)."""
+    moments per trainable parameter (AdamW's exp_avg and exp_avg_sq), plus its fp32 step scalar where the
+    optimizer keeps it on the device (`step_on_device`: fused AdamW; foreach keeps it on the CPU)."""
     specs = [(tuple(t.shape), t.dtype) for t in module.state_dict().values()
              if isinstance(t, torch.Tensor) and t.device.type == device_type]
     moments = [(tuple(p.shape), p.dtype) for p in module.parameters()
                if p.requires_grad and p.device.type == device_type]
-    return specs + moments + moments
+    steps = [((), torch.float32)] * len(moments) if step_on_device else []
+    return specs + moments + moments + steps
 
 
 class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: weights_only, always

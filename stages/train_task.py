@@ -119,7 +119,8 @@ class DrafterTask(L.LightningModule):
 
         io = getattr(self.trainer.strategy, "checkpoint_io", None)
         if self.device.type == "cuda" and self.trainer.is_global_zero and isinstance(io, AsyncCheckpointIO):
-            io.reserve(checkpoint_specs(self))  # pinned beside the first batch's compile, not at the first save
+            fused = any(o.defaults.get("fused") for o in self.trainer.optimizers)
+            io.reserve(checkpoint_specs(self, step_on_device=fused))  # pinned beside the first batch's compile
 
     def on_train_epoch_start(self) -> None:
         self._plan_lr()
@@ -261,14 +262,25 @@ class DrafterTask(L.LightningModule):
         decay, no_decay = [], []
         for n, p in self.drafter.named_parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
+        # fused on CUDA (one kernel over all parameters; issue 31 item 3): the clipping Lightning would refuse
+        # with it is done in configure_gradient_clipping; foreach on the CPU (its numbers as before)
+        fused = self.device.type == "cuda"
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=t.lr, betas=tuple(t.betas), foreach=True)  # not fused: Lightning clips gradients before the step
+                                lr=t.lr, betas=tuple(t.betas), **({"fused": True} if fused else {"foreach": True}))
         # the planned steps come from the data plan (stages.train); Lightning's estimate would set the train
         # dataloader up here, before a resumed run's loader state is restored, and that state would be lost
         total = self.planned_steps if self.planned_steps is not None else self.trainer.estimated_stepping_batches
         self.lr_schedule = WarmupCosine(total, t.warmup_ratio)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """train.grad_clip: the global gradient norm of the optimizer's parameters, clipped as Lightning's precision
+        plugin would (the same call), but here: that plugin refuses a fused optimizer under bf16-mixed (it takes
+        fused for a gradient scaler's unscaling, which bf16 has none of). The Trainer gets no clip value."""
+        if self.cfg.train.grad_clip:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
 
     # -- checkpoint extras ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -238,3 +238,7 @@ def test_checkpoint_specs_foresee_every_tensor_of_a_training_checkpoint():
     held = [t for t in model.state_dict().values()]
     held += [v for s in opt.state_dict()["state"].values() for k, v in s.items() if k != "step"]  # step: CPU scalar
     assert Counter(checkpoint_specs(model, "cpu")) == Counter((tuple(t.shape), t.dtype) for t in held)
+    fused = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)  # CUDA's choice
+    fused.step()
+    held = [t for t in model.state_dict().values()] + [v for s in fused.state_dict()["state"].values() for v in s.values()]
+    assert Counter(checkpoint_specs(model, "cpu", step_on_device=True)) == Counter((tuple(t.shape), t.dtype) for t in held)

@@ -37,6 +37,11 @@ def test_train_and_eval_on_gpu(gpu_store, tmp_path, precision):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] > 0 and summary["val"]["val/tau"] > 1.0, summary
     assert (run / "export" / "model.safetensors").exists()
+    import torch
+
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    groups = ckpt["optimizer_states"][0]["param_groups"]  # fused AdamW on CUDA, clipped by the task (issue 31)
+    assert all(g["fused"] for g in groups) and not r.stderr.count("does not allow for gradient clipping")
     ev = tmp_path / "eval"
     dflash("eval", str(run / "export"), "--store", gpu_store, "--out", str(ev), gpus=True)
     assert json.loads((ev / "report.json").read_text())["offline"]["tau"] > 1.0

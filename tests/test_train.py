@@ -344,3 +344,30 @@ def test_lr_schedule_is_linear_warmup_then_cosine_to_zero_and_norms_skip_decay(t
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in no_decay["params"])
     assert len(no_decay["params"]) > 0
+
+
+def test_the_task_clips_the_global_gradient_norm_itself_and_uses_foreach_adamw_on_the_cpu(tiny_store, tmp_path):
+    """train.grad_clip is applied by DrafterTask.configure_gradient_clipping (Lightning's precision plugin refuses
+    the fused AdamW CUDA runs use, so the Trainer gets no clip value): the optimizer's parameters come out with
+    a global norm of exactly grad_clip, as Lightning's own call gives; on the CPU the optimizer stays foreach."""
+    from pipeline import store as st
+    from pipeline.config import load_config
+    from stages.train import check_store_matches
+    from stages.train_task import DrafterTask
+
+    attrs = st.read_root_attrs(tiny_store)
+    for clip in (0.25, None):
+        cfg = load_config(TINY, [f"train.grad_clip={'null' if clip is None else clip}", f"train.run_dir={tmp_path}"])
+        task = DrafterTask(cfg, check_store_matches(cfg, attrs), attrs["target"]["vocab_size"],
+                           st.frozen_head_path(tiny_store), 10, attrs["encoding"], store_path=tiny_store)
+        task.planned_steps = 10  # (the data plan's; no Trainer here)
+        opt = task.configure_optimizers()["optimizer"]
+        assert opt.defaults["foreach"] and not opt.defaults["fused"]
+        params = [p for g in opt.param_groups for p in g["params"]]
+        gen = torch.Generator().manual_seed(0)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        before = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).item()
+        task.configure_gradient_clipping(opt, gradient_clip_val=None)
+        after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).item()
+        assert before > 10 and after == pytest.approx(before if clip is None else clip, rel=1e-5)
