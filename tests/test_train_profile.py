@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.config import ConfigError, load_config
 from stages.train_profile import _union_us, family
@@ -56,3 +57,20 @@ def test_a_profiled_cpu_run_writes_the_window_it_covered(tiny_store, tmp_path, c
     text = (run / "logs" / "profile-rank0.txt").read_text()
     assert text.startswith("optimizer steps 2-3: ") and "| host op |" in text
     assert "train: profiled steps 2-3: " in capsys.readouterr().err
+
+
+def test_user_annotations_on_the_gpu_are_not_counted_as_kernels():
+    """The GPU spans of `Optimizer.step#AdamW.step` and compiled-graph calls cover the kernels inside them (and the
+    backlog before): counted as kernels they made "other" 24% of the GPU time and hid the idle gaps."""
+    from types import SimpleNamespace
+
+    from stages.train_profile import device_work
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = [SimpleNamespace(name="nvjet_sm90_tst_192x192", device_type=cuda),
+          SimpleNamespace(name="Optimizer.step#AdamW.step", device_type=cuda),
+          SimpleNamespace(name="## Call CompiledFxGraph abc ##", device_type=cuda),
+          SimpleNamespace(name="ProfilerStep", device_type=cuda, is_user_annotation=True),
+          SimpleNamespace(name="aten::mm", device_type=cpu),
+          SimpleNamespace(name="Memcpy DtoH (Device -> Pinned)", device_type=cuda)]
+    assert [e.name for e in device_work(ev)] == ["nvjet_sm90_tst_192x192", "Memcpy DtoH (Device -> Pinned)"]
