@@ -307,9 +307,10 @@ def main() -> int:
             Path(a.out).write_text(json.dumps(res, indent=1))
     from pipeline.config import load_config
 
-    t = load_config(a.config).train
-    accum = t.accumulate_grad_batches * t.batch_size  # samples per optimizer step and GPU
-    print(f"\n`dflash train` at the 27B shape, {a.encoding} store, {a.seq}-token samples, {accum} samples per optimizer step "
+    t = load_config(a.config, [x for x in a.sets if x.startswith("train.")]).train  # with the runs' --set options
+    accum = t.accumulate_grad_batches * t.batch_size  # samples (packed: rows) per optimizer step and GPU
+    what = f"{a.seq}-token samples" if a.mix == "fixed" else f"the {a.mix} mix"
+    print(f"\n`dflash train` at the 27B shape, {a.encoding} store, {what}, {accum} rows per optimizer step "
           "and GPU; first batch: the slowest rank; end: from the last step to the final checkpoint in place; exit: from there to the process's exit")
     flops = flops_per_sample(a.config, layers, a.vocab, a.seq)
     w = max(34, *(len(k) + 1 for k in res))
