@@ -299,7 +299,7 @@ def fastfwd(c: Ctx) -> list:
             "1", "--encodings", "int5"]
     bench = _bench(c, "fastfwd_bench.py", ["--store-dir", str(c.tmp / "ffs"), "--out", str(c.out / "fastfwd.json"),
                                            *([] if c.tiny else ["--batches", c.var("FF_BATCHES", "8", "1")])],
-                   tiny, "fastfwd.log", env=env, timeout=float(c.var("FF_LIMIT", "400", "900")), show=48,
+                   tiny, "fastfwd.log", env=env, timeout=float(c.var("FF_LIMIT", "400", "900")), show=72,
                    hide=r"^\[transformers\]|USDT|falling back|_warn_once|Profiler clears")
     files = c.var("FF_TEST_FILES", "tests/test_fast_forward.py", "tests/test_fast_forward.py").split()
     side = c.var("FF_TEST_JOBS", "1", "1")  # >1: pytest-xdist (from .whl on the GPU machine), one file a worker

@@ -159,6 +159,9 @@ def test_bench_part_runs_on_cpu_at_a_tiny_size(tmp_path):
     assert set(x["extraction"]["encodings"]) == {"int5"} and x["extraction"]["encodings"]["int5"]["ratio_vs_bare"] > 0
     assert abs(sum(x["fast"]["profile"]["families"].values()) - 1) < 1e-6
     assert "kernel family" in r.stdout and "extraction (32 tokens)" in r.stdout
+    f = x["fp8_gemm"]  # step 4: the linears as FP8 GEMMs (the CPU multiplies the same quantized values in fp32)
+    assert f["linears"] > 0 and f["tok_s"] > 0 and "fp8_gemm_error" not in x and "FP8 GEMMs (" in r.stdout
+    assert all(0.9 < e["cosine"] <= 1 and 0 < e["rel_err"] < 0.5 for e in f["features"].values()), f["features"]
 
 
 # ---- equality on the CPU (torch stand-ins of the kernels) ------------------------------------------------------
