@@ -218,7 +218,7 @@ def main() -> None:
 
     # phases 2 and 3: one extraction into a growing store; training follows it from phase 3 on
     from pipeline.target import FeatureCapture
-    from stages.extract_worker import pipelined_extract
+    from stages.extract_loop import pipelined_extract
 
     store = a.root / "grow.zarr"
     per_batch = max(1, a.token_budget // a.seq)

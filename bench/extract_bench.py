@@ -137,11 +137,14 @@ def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_leng
 
 
 def timed_extract(model, layer_ids: list, enc: str, dev: torch.device, batches, on_batch, sync) -> tuple:
-    """(wall s, fed s) of one `pipelined_extract` run (capture, GPU encode, pinned side-stream copy, writer thread)
-    over `batches` ((members, ids, lens) each), `on_batch` writing. fed s: until the loop asked past the last batch
-    (its forward queued), i.e. without the drain of the last batches' capture, copy and write (once per shard)."""
+    """(wall s, fed s, loop) of one `pipelined_extract` run (capture, GPU encode, pinned side-stream copy, writer
+    thread) over `batches` ((members, ids, lens) each), `on_batch` writing. fed s: until the loop asked past the
+    last batch (its forward queued), i.e. without the drain of the last batches' capture, copy and write (once per
+    shard). loop: the loop's own figures (stages/extract_loop.py LoopStats) as a dict."""
+    from dataclasses import asdict
+
     from pipeline.target import FeatureCapture
-    from stages.extract_worker import pipelined_extract
+    from stages.extract_loop import pipelined_extract
 
     capture = FeatureCapture(model, layer_ids)
     drained = [None]
@@ -153,11 +156,11 @@ def timed_extract(model, layer_ids: list, enc: str, dev: torch.device, batches, 
     sync()
     t0 = time.perf_counter()
     try:
-        pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
+        stats = pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
         sync()
     finally:
         capture.remove()
-    return time.perf_counter() - t0, drained[0] - t0
+    return time.perf_counter() - t0, drained[0] - t0, asdict(stats)
 
 
 def main(argv=None) -> None:
@@ -267,7 +270,7 @@ def main(argv=None) -> None:
         if variant == "switch":
             sys.setswitchinterval(a.switch_interval)
         try:
-            ext_s, fwd_s = timed_extract(model, layer_ids, enc, dev, batches, on_batch, sync)
+            ext_s, fwd_s, _ = timed_extract(model, layer_ids, enc, dev, batches, on_batch, sync)
         finally:
             sys.setswitchinterval(interval)
         disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)

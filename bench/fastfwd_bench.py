@@ -8,7 +8,11 @@ GPU; fixed batches of 8 x 2048 tokens (no padding). Steps, all in one process:
    profiled pass (torch.profiler, device time by kernel family, top kernels);
 2. the same with the fast forward installed;
 3. `pipelined_extract` (capture, GPU encode, pinned side-stream copy, writer thread, Zarr store) over --batches
-   batches per encoding, with the fast forward, against the fast bare forward over the same batches;
+   batches per encoding (after a warm-up run over --warmup-batches: the pinned host buffers a shard allocates in its
+   first batches), with the fast forward, against the fast bare forward over the same batches; then, over
+   --profile-batches batches, the bare forward and each encoding's extraction under torch.profiler: per batch, the
+   GPU's kernel time by family, its idle time between the first and the last kernel, the device-to-host copies,
+   the kernels extraction adds, and the host's named ranges (`extract.*`: waiting for the writer, writing);
 4. (issue 30 item 4; --no-fp8-gemm skips it) the fast forward with the decoder layers' linears as row-scaled FP8
    GEMMs (bench/fp8_gemm.py): tokens/s, kernel families, and each tap layer's output against the bf16 fast
    forward's on 2 x --seq tokens (cosine, relative error).
@@ -92,6 +96,10 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", type=int, default=8, help="batches per extraction run")
     ap.add_argument("--encodings", default="int5,fp8,bf16")
+    ap.add_argument("--warmup-batches", type=int, default=4,
+                    help="an untimed extraction over this many batches first, per encoding (queue depth + 1: the "
+                         "pinned host buffers a shard makes once, ~1 GB each in bf16, are then in the allocator's cache)")
+    ap.add_argument("--profile-batches", type=int, default=3, help="batches per profiled window (0: no profile)")
     ap.add_argument("--kernel-cache", default=None)
     ap.add_argument("--store-dir", default=None)
     ap.add_argument("--out", default=None)
@@ -120,8 +128,8 @@ def main(argv=None) -> None:
 
     sync = device_sync(dev)
 
-    def one(ids):
-        base(input_ids=ids.to(dev), attention_mask=torch.ones_like(ids).to(dev), use_cache=False)
+    def one(ids):  # unpadded batches: no mask (transformers drops an all-ones one after a sync); pinned upload
+        base(input_ids=ids.pin_memory().to(dev, non_blocking=True) if cuda else ids.to(dev), use_cache=False)
 
     def measure(label: str) -> dict:
         with torch.inference_mode():
@@ -174,7 +182,8 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
         bare_s = timed(bare, sync)
     out = {"tokens": n_tok, "bare_tok_s": n_tok / bare_s, "encodings": {}}
     root = a.store_dir or tempfile.mkdtemp(prefix="dflash-ffbench-")
-    for enc in a.encodings.split(","):
+
+    def run(enc, which):  # one pipelined_extract run into a fresh store
         path, writer = bench_store(root, enc, cfg, layer_ids, 1, a.seq)
 
         def on_batch(members, parts, bad, writer=writer):
@@ -183,16 +192,99 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
             writer.write_batch(np.arange(n, dtype=np.uint64), np.zeros(n, np.uint8),
                                np.array([a.seq] * n, np.int32), np.zeros(T, np.int32), np.ones(T, np.uint8), parts)
 
-        feed = [(list(range(b.shape[0])), b, [b.shape[1]] * b.shape[0]) for b in batches]
+        feed = [(list(range(b.shape[0])), b, [b.shape[1]] * b.shape[0]) for b in which]
         try:  # before: the last forward queued; its capture, copy and write (once per shard) follow
-            wall, before = timed_extract(model, layer_ids, enc, dev, feed, on_batch, sync)
+            return timed_extract(model, layer_ids, enc, dev, feed, on_batch, sync)
         finally:
             writer.close()
+            shutil.rmtree(path, ignore_errors=True)
+
+    for enc in a.encodings.split(","):
+        warm = batches[:a.warmup_batches]  # the first batches of a shard pin host buffers (below)
+        cold_s = run(enc, warm)[0] if warm else None
+        wall, before, stats = run(enc, batches)
         out["encodings"][enc] = {"tok_s": n_tok / wall, "ratio_vs_bare": bare_s / wall, "wall_s": wall,
-                                 "ratio_before_drain": bare_s / before}
+                                 "ratio_before_drain": bare_s / before, "loop": stats,
+                                 "warmup": {"batches": len(warm), "tok_s": sum(b.numel() for b in warm) / cold_s}
+                                 if warm else None}
         print(f"extract {enc}: {n_tok / wall:.0f} tokens/s, {bare_s / wall:.3f} of the bare forward "
-              f"({bare_s / before:.3f} before the final drain)", flush=True)
-        shutil.rmtree(path, ignore_errors=True)
+              f"({bare_s / before:.3f} before the final drain); the writer busy {stats['writer_busy_s']:.2f} s, "
+              f"the forward waited {stats['queue_wait_s']:.2f} s for it", flush=True)
+    n = min(a.profile_batches, len(batches))
+    if n:
+        window = batches[-n:]
+
+        def bare_window():
+            with torch.inference_mode():
+                for ids in window:
+                    one(ids)
+
+        out["profile"] = {"batches": n, "bare": profile_window(bare_window, sync, n, cuda=dev.type == "cuda")}
+        for enc in a.encodings.split(","):
+            out["profile"][enc] = profile_window(lambda: run(enc, window), sync, n, cuda=dev.type == "cuda")
+        out["profile"]["added"] = added_kernels(out["profile"], a.encodings.split(","))
+    return out
+
+
+def profile_window(run, sync, n: int, cuda: bool, top: int = 40) -> dict:
+    """run() under torch.profiler; per batch: the span from the GPU's first kernel to its last, the kernels' busy
+    time (their union) and the idle rest, kernel time by family and by kernel, the copy engines' time, and the
+    host's `extract.*` ranges (stages/extract_loop.py) with the ops of most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pipeline.gpu_trace import device_work, is_copy, union_us
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:  # the writer thread's ranges too, and the host's waits on the GPU as events (torch >= 2.7)
+        from torch._C._profiler import _ExperimentalConfig
+
+        extra = {"experimental_config": _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=cuda)}
+    except (ImportError, TypeError):
+        extra = {}
+    t0 = time.perf_counter()
+    with profile(activities=acts, **extra) as prof:
+        run()
+        sync()
+    out: dict = {"wall_ms": 1e3 * (time.perf_counter() - t0) / n}
+    work = device_work(prof.events()) if cuda else []
+    kernels = [e for e in work if not is_copy(e.name)]
+    if kernels:
+        span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+        busy = union_us([(e.time_range.start, e.time_range.end) for e in kernels])
+        fams: dict = {}
+        names: dict = {}
+        for e in kernels:
+            us = e.time_range.end - e.time_range.start
+            fams[family(e.name)] = fams.get(family(e.name), 0.0) + us / 1e3 / n
+            names[e.name] = names.get(e.name, 0.0) + us / 1e3 / n
+        copies: dict = {}
+        for e in work:
+            if is_copy(e.name):
+                kind = e.name.split("(")[0].strip()  # "Memcpy DtoH", "Memcpy HtoD", "Memset"
+                copies[kind] = copies.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e3 / n
+        out.update(span_ms=span / 1e3 / n, busy_ms=busy / 1e3 / n, idle_ms=(span - busy) / 1e3 / n,
+                   families=dict(sorted(fams.items(), key=lambda kv: -kv[1])), copies_ms=copies,
+                   kernels=dict(sorted(names.items(), key=lambda kv: -kv[1])[:top]), kernels_all=names)
+    avgs = prof.key_averages()
+    out["host_ranges_ms"] = {x.key: x.cpu_time_total / 1e3 / n for x in avgs if x.key.startswith("extract.")}
+    syncs = [x for x in avgs if "Synchronize" in x.key]  # cudaStreamSynchronize, cudaEventSynchronize, ...
+    out["host_syncs"] = {x.key: [x.count / n, x.cpu_time_total / 1e3 / n] for x in syncs}  # per batch: calls, ms
+    out["host_ops"] = [[x.key[:80], x.self_cpu_time_total / 1e3 / n, x.count]
+                       for x in sorted(avgs, key=lambda x: -x.self_cpu_time_total)[:12]]
+    return out
+
+
+def added_kernels(p: dict, encodings: list, top: int = 12) -> dict:
+    """Per encoding: the kernels whose time per batch grew most over the bare window's (extraction's own work:
+    the gather of the real tokens, isfinite, the encoder), in ms per batch."""
+    base = p["bare"].get("kernels_all", {})
+    out = {}
+    for enc in encodings:
+        grown = {k: v - base.get(k, 0.0) for k, v in p[enc].get("kernels_all", {}).items()}
+        out[enc] = [[k[:90], d] for k, d in sorted(grown.items(), key=lambda kv: -kv[1])[:top] if d > 0.01]
+    for x in p.values():
+        if isinstance(x, dict):
+            x.pop("kernels_all", None)  # the top ones stay in "kernels"
     return out
 
 
@@ -235,6 +327,8 @@ def _print(r: dict) -> None:
         for enc, x in e["encodings"].items():
             print(f"  {enc:<6} {x['tok_s']:>9.0f} tokens/s  {x['ratio_vs_bare']:.3f}  before the final drain "
                   f"{x['ratio_before_drain']:.3f}  (goal >= 0.95: {'met' if x['ratio_vs_bare'] >= 0.95 else 'NOT met'})")
+    if "profile" in r.get("extraction", {}):
+        _print_profile(r["extraction"]["profile"])
     if "fp8_gemm" in r:
         f = r["fp8_gemm"]
         print(f"\nFP8 GEMMs ({f['linears']} linears): {f['tok_s']:.0f} tokens/s, {f['speedup_vs_fast']:.3f}x the bf16 "
@@ -245,6 +339,32 @@ def _print(r: dict) -> None:
         print(f"FP8 GEMMs failed: {r['fp8_gemm_error']}")
     if "fast_error" in r:
         print(f"fast forward failed: {r['fast_error']}")
+
+
+def _print_profile(p: dict) -> None:
+    cols = [k for k in p if isinstance(p[k], dict) and k != "added"]
+    print(f"\nprofiled window, {p['batches']} batches, ms per batch (torch.profiler; GPU idle = between its first and "
+          "last kernel, no kernel running):")
+    print(f"{'':<26}" + "".join(f"{c:>10}" for c in cols))
+    rows = [("wall (profiled)", "wall_ms"), ("GPU span", "span_ms"), ("GPU kernels busy", "busy_ms"),
+            ("GPU idle", "idle_ms")]
+    for label, key in rows:
+        print(f"{label:<26}" + "".join(f"{p[c].get(key, float('nan')):>10.1f}" for c in cols))
+    fams = sorted({f for c in cols for f in p[c].get("families", {})}, key=lambda f: -p["bare"].get("families", {}).get(f, 0))
+    for f in fams:
+        print(f"{'  ' + f:<26}" + "".join(f"{p[c].get('families', {}).get(f, 0.0):>10.1f}" for c in cols))
+    for kind in sorted({k for c in cols for k in p[c].get("copies_ms", {})}):
+        print(f"{'  copy ' + kind:<26}" + "".join(f"{p[c].get('copies_ms', {}).get(kind, 0.0):>10.1f}" for c in cols))
+    for rng in sorted({k for c in cols for k in p[c].get("host_ranges_ms", {})}):
+        print(f"{'host ' + rng:<26}" + "".join(f"{p[c].get('host_ranges_ms', {}).get(rng, 0.0):>10.1f}" for c in cols))
+    for key in sorted({k for c in cols for k in p[c].get("host_syncs", {})}):
+        print(f"{'host ' + key[:21]:<26}" + "".join(
+            f"{'%.0fx %.0f' % tuple(p[c]['host_syncs'][key]) if key in p[c].get('host_syncs', {}) else '-':>10}"
+            for c in cols))
+    for enc, rows in p.get("added", {}).items():
+        print(f"kernels extraction adds, {enc} (ms per batch over the bare window's):")
+        for k, d in rows[:8]:
+            print(f"  {d:7.2f}  {k}")
 
 
 if __name__ == "__main__":

@@ -69,10 +69,16 @@ def part(name: str):
     return add
 
 
-def _pytest(c: Ctx, name: str, *args: str, show: int = 25) -> list:
-    """A GPU test run; at the tiny size its collection (the tests skip without CUDA): the selection is valid."""
-    argv = [PY, "-m", "pytest", "-q", "-m", "gpu", *args, "-p", "no:cacheprovider", "--tb=short"]
-    return [Step(argv + (["--collect-only"] if c.tiny else []), f"{name}.log", show=show)]
+def _pytest(c: Ctx, name: str, *args: str, show: int = 60) -> list:
+    """A GPU test run; at the tiny size its collection (the tests skip without CUDA): the selection is valid. Each
+    test is named as it ends (-v). GPU_TEST_JOBS > 1 runs that many pytest-xdist workers (from .whl on the GPU
+    machine), one test file a worker; GPU_TEST_LIMIT (seconds) stops it with SIGINT, so pytest still prints its
+    summary."""
+    jobs = c.var("GPU_TEST_JOBS", "1", "1")
+    argv = [PY, "-m", "pytest", "-v", "-m", "gpu", *args, "-p", "no:cacheprovider", "--tb=short",
+            *(["-n", jobs, "--dist", "loadfile"] if jobs != "1" else [])]
+    return [Step(argv + (["--collect-only"] if c.tiny else []), f"{name}.log", show=show,
+                 timeout=float(c.var("GPU_TEST_LIMIT", "3600", "600")), hide=r"^\s*$|warnings summary|Warning")]
 
 
 def _bench(c: Ctx, script: str, args: list, tiny: list, log: str, **kw) -> Step:
@@ -296,18 +302,24 @@ def fastfwd(c: Ctx) -> list:
     kc = str(c.tmp / "kc")
     env = {"TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", kc), "TRITON_CACHE_AUTOTUNING": "1"}
     tiny = ["--tiny", "--device", "cpu", "--ops", "torch", "--batch", "1", "--seq", "32", "--reps", "1", "--batches",
-            "1", "--encodings", "int5"]
+            "1", "--encodings", "int5", "--warmup-batches", "1"]
+    opts = ["--profile-batches", c.var("FF_PROFILE", "3", "1"),
+            *([] if c.var("FF_FP8", "1", "1") == "1" else ["--no-fp8-gemm"]),
+            *([] if c.tiny else ["--batches", c.var("FF_BATCHES", "8", "1")])]
     bench = _bench(c, "fastfwd_bench.py", ["--store-dir", str(c.tmp / "ffs"), "--out", str(c.out / "fastfwd.json"),
-                                           *([] if c.tiny else ["--batches", c.var("FF_BATCHES", "8", "1")])],
-                   tiny, "fastfwd.log", env=env, timeout=float(c.var("FF_LIMIT", "400", "900")), show=72,
+                                           *opts], tiny, "fastfwd.log", env=env,
+                   timeout=float(c.var("FF_LIMIT", "400", "900")), show=110,
                    hide=r"^\[transformers\]|USDT|falling back|_warn_once|Profiler clears")
     files = c.var("FF_TEST_FILES", "tests/test_fast_forward.py", "tests/test_fast_forward.py").split()
+    if not files:  # FF_TEST_FILES="": the bench alone (the GPU tests run in their own call: part gputests)
+        return [bench]
     side = c.var("FF_TEST_JOBS", "1", "1")  # >1: pytest-xdist (from .whl on the GPU machine), one file a worker
-    test = Step([PY, "-m", "pytest", "-q", "-m", "gpu", *files, "-p", "no:cacheprovider", "--tb=short", "-s",
+    test = Step([PY, "-m", "pytest", "-v", "-m", "gpu", *files, "-p", "no:cacheprovider", "--tb=short", "-s",
                  *(["-n", side, "--dist", "loadfile"] if side != "1" else []),
                  *(["--collect-only"] if c.tiny else [])], "fastfwd_test.log",
                 env={**env, "DFLASH_FASTFWD_REPORT": str(c.out / "fastfwd_equal.json")},
-                timeout=float(c.var("FF_TEST_LIMIT", "300", "600")), show=4, only=r"passed|failed|skipped|Error")
+                timeout=float(c.var("FF_TEST_LIMIT", "300", "600")), show=40,
+                only=r"passed|failed|skipped|PASSED|FAILED|ERROR|Error")
     return [bench, test]
 
 

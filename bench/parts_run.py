@@ -58,9 +58,13 @@ def _finish(p: subprocess.Popen, log: Path, step) -> int:
     threading.Thread(target=copier, daemon=True).start()
     try:
         rc = p.wait(timeout=step.timeout or None)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    except subprocess.TimeoutExpired:  # SIGINT first: pytest (and a bench's finally) still reports what it has
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         rc = 124
         print(f"{' '.join(step.argv[:3])}: stopped at its limit of {step.timeout:.0f} s")
     stop.set()

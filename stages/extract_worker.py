@@ -5,8 +5,9 @@ Started by `dflash extract` (one process per shard, only its GPU visible) or by 
 - The shard's samples are `ingest(...)[I::N]` (pipeline.store.shard_rows, the one sharding rule), batched by a
   deterministic plan (length-sorted, padded tokens <= extract.token_budget), so a resumed shard recomputes
   exactly the batches it had not committed.
-- Overlap: the main thread runs forward passes and queues each batch's encoded features (GPU -> pinned host
-  copy on a side stream); a writer thread waits for the copy, writes and commits. Bounded by queue_depth.
+- Overlap (stages/extract_loop.py): the main thread runs forward passes and queues each batch's encoded features
+  (GPU -> pinned host copy on a side stream); a writer thread waits for the copy, writes and commits. Bounded by
+  queue_depth. The shard's log ends with how busy the writer was and how long the GPU side waited for it.
 - Samples with NaN/Inf features are not written; their count is committed with the shard's progress.
 - The worker writes under the shard's lock (pipeline/store_lock.py): the one its parent took (`--lock-token`)
   or, started alone, its own. On resume it deletes the shard's stale `*.partial` files (logged).
@@ -21,10 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -34,10 +33,9 @@ import torch
 
 from pipeline import store as st
 from pipeline.config import Config
-from pipeline.encoding import encode, to_storage
 from pipeline.lifecycle import ExitCode, StopFlag, die_with_parent
-from pipeline.target import (DTYPES, FeatureCapture, capture_features, frozen_head_from_checkpoint, load_target,
-                             load_tokenizer)
+from pipeline.target import DTYPES, FeatureCapture, frozen_head_from_checkpoint, load_target, load_tokenizer
+from stages.extract_loop import pipelined_extract
 
 
 def emit(event: str, **fields) -> None:
@@ -88,78 +86,6 @@ def plan_fingerprint(batches: list[Batch], sample_ids: list[str]) -> str:
     for b in batches:
         h.update((",".join(sample_ids[i] for i in b.members) + ";").encode())
     return h.hexdigest()[:16]
-
-
-def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: torch.device, batches, on_batch,
-                      queue_depth: int = 3, should_stop=lambda: False) -> None:
-    """Forward each batch and hand its features to `on_batch` on a writer thread, overlapped.
-
-    batches yields (meta, input_ids [B, S] long CPU right-padded, lengths [B]). on_batch(meta, parts
-    {name: np [T, ...]} (pipeline.encoding), bad np.bool_ [B]) runs on the writer thread, in order, with the
-    tokens of samples whose features are not finite already removed (bad marks them). On CUDA the
-    device-to-host copy runs on a side stream into pinned memory; at most queue_depth batches are in flight.
-    """
-    cuda = device.type == "cuda"
-    q: queue.Queue = queue.Queue(maxsize=max(1, queue_depth))
-    errors: list[BaseException] = []
-
-    def write_loop():
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            if errors:
-                continue
-            try:
-                meta, lens, event, parts, bad = item
-                if event is not None:
-                    event.synchronize()
-                arrays = {k: to_storage(v) for k, v in parts.items()}
-                bad = bad.numpy()
-                if bad.any():  # rare: drop the samples whose features are not finite
-                    keep_tok = np.repeat(~bad, np.asarray(lens))
-                    arrays = {k: v[keep_tok] for k, v in arrays.items()}
-                on_batch(meta, arrays, bad)
-            except BaseException as e:  # noqa: BLE001 - surfaced by the main thread
-                errors.append(e)
-
-    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True)
-    thread.start()
-    side = torch.cuda.Stream() if cuda else None
-    try:
-        for meta, ids, lens in batches:
-            if should_stop() or errors:
-                break
-            B, S = ids.shape
-            att = (torch.arange(S)[None, :] < torch.tensor(lens)[:, None]).long()
-            ids, att = ids.to(device, non_blocking=True), att.to(device, non_blocking=True)
-            feats = capture_features(model, capture, ids, att)  # [B, S, L, H]
-            flat = feats[att.bool()]  # [T, L, H], samples back to back in batch order
-            tok_ok = torch.isfinite(flat).flatten(1).all(dim=1)  # [T]
-            sample_of_tok = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(lens, device=device))
-            bad = torch.zeros(B, dtype=torch.int32, device=device).index_add_(
-                0, sample_of_tok, (~tok_ok).to(torch.int32)) > 0  # [B] sample has a NaN/Inf feature
-            parts = encode(flat, encoding)
-            if cuda:
-                done = torch.cuda.Event()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    host = {}
-                    for k, t in parts.items():
-                        host[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                        host[k].copy_(t, non_blocking=True)
-                    host_b = bad.to("cpu", non_blocking=True)
-                    done.record(side)
-                for t in (*parts.values(), bad):
-                    t.record_stream(side)
-                q.put((meta, lens, done, host, host_b))
-            else:
-                q.put((meta, lens, None, parts, bad))
-    finally:
-        q.put(None)
-        thread.join()
-    if errors:
-        raise errors[0]
 
 
 def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, lock_token: Optional[str] = None,
@@ -281,8 +207,11 @@ def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches
         report(p)
 
     try:
-        pipelined_extract(model, capture, encoding, device, batches(), on_batch, cfg.extract.queue_depth,
-                          lambda: stop.stop)
+        loop = pipelined_extract(model, capture, encoding, device, batches(), on_batch, cfg.extract.queue_depth,
+                                 lambda: stop.stop)
+        print(f"shard {shard_index}: {loop.batches} batches in {loop.wall_s:.1f} s; the writer was busy "
+              f"{loop.writer_busy_s:.1f} s, the forward waited {loop.queue_wait_s:.1f} s for it (a full queue)",
+              file=sys.stderr, flush=True)
     except OSError as e:  # disk full, unwritable path, lost mount: the committed part stays valid
         raise st.StoreError(f"writing shard {shard_index} to {store_path} failed: {e}. Everything committed before "
                             "is intact; free space or fix the path, then rerun the same command to resume") from e

@@ -24,6 +24,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from pipeline.gpu_trace import device_work, union_us
+
 FAMILIES = (  # (family, name fragments), first match wins; kernel names of torch 2.1x on H100/H200
     ("nccl", ("nccl",)),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")),
@@ -39,34 +41,13 @@ def family(name: str) -> str:
     return next((fam for fam, parts in FAMILIES if any(p in low for p in parts)), "other")
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    """Total length of the union of [start, end) intervals (microseconds)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if a > end:
-            total, end = total + (b - a), b
-        elif b > end:
-            total, end = total + (b - end), b
-    return total
-
-
-def device_work(events) -> list:
-    """The kernels and copies among a profile's CUDA events: not the GPU spans of user annotations
-    (`Optimizer.step#AdamW.step`, `## Call CompiledFxGraph ... ##`), which cover every kernel queued inside
-    them and the GPU's backlog before those (on the H200, 2026-12-01, the optimizer's span read 240 ms a step
-    and made "other" a quarter of the GPU time)."""
-    cuda = torch.autograd.DeviceType.CUDA
-    return [e for e in events if getattr(e, "device_type", None) == cuda and not getattr(e, "is_user_annotation", False)
-            and "#" not in e.name]
-
-
 def summarise(prof, steps: int, wall_s: float, cuda: bool, top: int = 12) -> dict:
     """The figures of one profiled window (see the module docstring)."""
     out: dict = {"steps": steps, "wall_ms_per_step": 1e3 * wall_s / max(1, steps)}
     events = prof.events()
     if cuda:
         dev = device_work(events)
-        busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in dev])
+        busy_us = union_us([(e.time_range.start, e.time_range.end) for e in dev])
         out["gpu_busy_ms_per_step"] = busy_us / 1e3 / max(1, steps)
         out["gpu_idle_fraction"] = max(0.0, 1.0 - busy_us / 1e6 / wall_s) if wall_s > 0 else None
         fams: dict[str, float] = {}

@@ -148,3 +148,31 @@ def test_fastfwd_runs_the_named_gpu_test_files_side_by_side_on_the_gpu_only(tmp_
     assert "-n" not in tiny and "--collect-only" in tiny and "tests/test_gpu_train.py" not in tiny
     for f in files.split():
         assert (ROOT / f).exists(), f
+
+
+def test_a_step_stopped_at_its_limit_gets_sigint_first_so_it_can_report(tmp_path):
+    """pytest prints its summary on SIGINT (a SIGKILL lost the names of a cut GPU run's tests, 2026-12-01)."""
+    code = ("import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('summary: 3 passed', flush=True)\n"
+            "    raise SystemExit(2)\n")
+    step = Step([sys.executable, "-c", code], "cut.log", timeout=2)
+    assert run_steps([step], tmp_path) == 1
+    assert "summary: 3 passed" in (tmp_path / "cut.log").read_text()
+
+
+def test_gpu_test_parts_name_each_test_and_take_workers_and_a_limit(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_TEST_JOBS", "5")
+    monkeypatch.setenv("GPU_TEST_LIMIT", "560")
+    (step,) = steps_of("gputests", tmp_path, False)
+    assert "-v" in step.argv and step.argv[step.argv.index("-n"):][:4] == ["-n", "5", "--dist", "loadfile"]
+    assert step.timeout == 560 and step.argv[step.argv.index("gpu") + 1] == "tests/"
+    (tiny,) = steps_of("gputests", tmp_path, True)
+    assert "-n" not in tiny.argv and "--collect-only" in tiny.argv
+
+
+def test_fastfwd_can_run_its_bench_alone_with_a_profile_and_without_fp8(tmp_path, monkeypatch):
+    monkeypatch.setenv("FF_TEST_FILES", "")
+    monkeypatch.setenv("FF_FP8", "0")
+    monkeypatch.setenv("FF_PROFILE", "4")
+    (bench,) = steps_of("fastfwd", tmp_path, False)
+    assert "--no-fp8-gemm" in bench.argv and bench.argv[bench.argv.index("--profile-batches") + 1] == "4"
+    assert len(steps_of("fastfwd", tmp_path, True)) == 2  # the smoke run keeps the test collection

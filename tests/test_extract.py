@@ -281,14 +281,16 @@ def test_nonfinite_samples_are_skipped_and_counted(tmp_path, monkeypatch):
     tok = load_tokenizer(cfg.target.path)
     samples, _ = ingest(cfg.data, tok)
     create_or_open_store(store, build_provenance(cfg, tok, samples, 1, "test"))
-    real = w.capture_features
+    import stages.extract_loop as loop
+
+    real = loop.capture_features
 
     def poisoned(model, capture, ids, att):
         out = real(model, capture, ids, att).clone()
         out[0, 1, 0, 0] = float("nan")  # first sample of every batch
         return out
 
-    monkeypatch.setattr(w, "capture_features", poisoned)
+    monkeypatch.setattr(loop, "capture_features", poisoned)
     monkeypatch.setattr(w, "die_with_parent", lambda: None)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -157,6 +157,13 @@ def test_bench_part_runs_on_cpu_at_a_tiny_size(tmp_path):
     assert x["ops"] == "torch" and x["modules_rebound"] > 0 and "fast_error" not in x
     assert x["reference"]["tok_s"] > 0 and x["fast"]["tok_s"] > 0 and x["speedup"] > 0
     assert set(x["extraction"]["encodings"]) == {"int5"} and x["extraction"]["encodings"]["int5"]["ratio_vs_bare"] > 0
+    assert x["extraction"]["encodings"]["int5"]["warmup"]["batches"] == 1
+    loop = x["extraction"]["encodings"]["int5"]["loop"]  # the loop's own figures
+    assert loop["batches"] == 1 and loop["writer_busy_s"] > 0 and loop["queue_wait_s"] >= 0
+    prof = x["extraction"]["profile"]  # the profiled window: the bare forward, then each encoding
+    assert prof["batches"] == 1 and prof["bare"]["wall_ms"] > 0 and set(prof["added"]) == {"int5"}
+    assert {"extract.forward", "extract.encode", "extract.queue", "extract.write"} <= set(prof["int5"]["host_ranges_ms"])
+    assert "profiled window, 1 batches" in r.stdout and "host extract.write" in r.stdout
     assert abs(sum(x["fast"]["profile"]["families"].values()) - 1) < 1e-6
     assert "kernel family" in r.stdout and "extraction (32 tokens)" in r.stdout
     f = x["fp8_gemm"]  # step 4: the linears as FP8 GEMMs (the CPU multiplies the same quantized values in fp32)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config
-from stages.train_profile import _union_us, family
+from pipeline.gpu_trace import union_us as _union_us
+from stages.train_profile import family
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -64,7 +65,7 @@ def test_user_annotations_on_the_gpu_are_not_counted_as_kernels():
     backlog before): counted as kernels they made "other" 24% of the GPU time and hid the idle gaps."""
     from types import SimpleNamespace
 
-    from stages.train_profile import device_work
+    from pipeline.gpu_trace import device_work
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     ev = [SimpleNamespace(name="nvjet_sm90_tst_192x192", device_type=cuda),

@@ -1,0 +1,139 @@
+"""Extraction's inner loop: forward each batch, encode its features on the GPU, copy them to pinned host memory on
+a side stream and write them on a writer thread, all overlapped (`pipelined_extract`).
+
+Contract:
+- batches yields (meta, input_ids [B, S] long CPU right-padded, lengths [B]). on_batch(meta, parts {name: np
+  [T, ...]} (pipeline.encoding), bad np.bool_ [B]) runs on the writer thread, in batch order, with the tokens of
+  samples whose features are not finite already removed (bad marks them). At most queue_depth batches wait for
+  the writer; an error on the writer thread stops the loop and is raised by it.
+- No host-device synchronisation of its own between two forwards on CUDA, so the host queues the next batch while
+  the GPU still runs the last one and a writer thread holding the GIL for a moment does not leave the GPU idle:
+  the inputs go up from pinned memory, and which rows of the [B, S] batch are real tokens (and whose sample each
+  is) is worked out on the host from `lengths`, never with a boolean mask on the device (its size would need a
+  sync). A batch without padding is run without an attention mask: the forward is the same (transformers drops
+  an all-ones mask after checking it on the device, a sync) and the GDN layers skip the masking pass.
+- `LoopStats` (returned): seconds the host waited for the writer with the queue full (the writer is the
+  bottleneck when this grows), seconds the writer was busy, batches. The profiler sees the named ranges
+  `extract.forward`, `extract.encode`, `extract.queue` and `extract.write` (bench/fastfwd_bench.py profiles them).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from pipeline.encoding import encode, to_storage
+from pipeline.target import FeatureCapture, capture_features
+
+
+@dataclass
+class LoopStats:
+    batches: int = 0
+    queue_wait_s: float = 0.0  # the host blocked on a full queue: waiting for the writer
+    writer_busy_s: float = 0.0  # the writer thread inside to_storage + on_batch (and the copy's event)
+    wall_s: float = 0.0
+
+
+def token_rows(lengths: list[int], S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [T], sample [T]) for a right-padded [B, S] batch: the flat index b * S + s of each real token, samples
+    back to back in batch order, and the batch row each token belongs to. Computed on the host (CPU long)."""
+    lens = torch.as_tensor(lengths, dtype=torch.long)  # [B]
+    sample = torch.repeat_interleave(torch.arange(len(lengths)), lens)  # [T]
+    first = torch.cumsum(lens, 0) - lens  # [B] the first flat token of each sample
+    pos = torch.arange(int(lens.sum())) - first[sample]  # [T] position inside its sample
+    return sample * S + pos, sample
+
+
+def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: torch.device, batches, on_batch,
+                      queue_depth: int = 3, should_stop=lambda: False) -> LoopStats:
+    """Forward each batch and hand its features to `on_batch` on a writer thread, overlapped (the module's
+    contract)."""
+    cuda = device.type == "cuda"
+    q: queue.Queue = queue.Queue(maxsize=max(1, queue_depth))
+    errors: list[BaseException] = []
+    stats = LoopStats()
+
+    def up(t: torch.Tensor) -> torch.Tensor:  # host -> device without a sync (pinned source on CUDA)
+        return t.pin_memory().to(device, non_blocking=True) if cuda else t.to(device)
+
+    def write_loop():
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if errors:
+                continue
+            t0 = time.perf_counter()
+            try:
+                with record_function("extract.write"):
+                    meta, lens, event, parts, bad = item
+                    if event is not None:
+                        event.synchronize()
+                    arrays = {k: to_storage(v) for k, v in parts.items()}
+                    bad = bad.numpy()
+                    if bad.any():  # rare: drop the samples whose features are not finite
+                        keep_tok = np.repeat(~bad, np.asarray(lens))
+                        arrays = {k: v[keep_tok] for k, v in arrays.items()}
+                    on_batch(meta, arrays, bad)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the main thread
+                errors.append(e)
+            stats.writer_busy_s += time.perf_counter() - t0
+
+    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True)
+    thread.start()
+    side = torch.cuda.Stream() if cuda else None
+    start = time.perf_counter()
+    try:
+        for meta, ids, lens in batches:
+            if should_stop() or errors:
+                break
+            B, S = ids.shape
+            lens = [int(n) for n in lens]
+            rows, sample = token_rows(lens, S)
+            with record_function("extract.forward"):
+                att = None
+                if min(lens) < S:  # padded: the mask, built on the device from the lengths
+                    att = (torch.arange(S, device=device)[None, :] < up(torch.tensor(lens))[:, None]).long()
+                feats = capture_features(model, capture, up(ids), att)  # [B, S, L, H]
+            with record_function("extract.encode"):
+                flat = feats.flatten(0, 1).index_select(0, up(rows))  # [T, L, H], samples back to back
+                del feats
+                tok_ok = torch.isfinite(flat).flatten(1).all(dim=1)  # [T]
+                bad = torch.zeros(B, dtype=torch.int32, device=device).index_add_(
+                    0, up(sample), (~tok_ok).to(torch.int32)) > 0  # [B] sample has a NaN/Inf feature
+                parts = encode(flat, encoding)
+                del flat
+                if cuda:
+                    done = torch.cuda.Event()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        host = {}
+                        for k, t in parts.items():
+                            host[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                            host[k].copy_(t, non_blocking=True)
+                        host_b = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+                        host_b.copy_(bad, non_blocking=True)
+                        done.record(side)
+                    for t in (*parts.values(), bad):
+                        t.record_stream(side)
+                    item = (meta, lens, done, host, host_b)
+                else:
+                    item = (meta, lens, None, parts, bad)
+            t0 = time.perf_counter()
+            with record_function("extract.queue"):
+                q.put(item)
+            stats.queue_wait_s += time.perf_counter() - t0
+            stats.batches += 1
+    finally:
+        q.put(None)
+        thread.join()
+        stats.wall_s = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return stats
