@@ -119,9 +119,10 @@ def build_model(arch: str = "qwen3_5", size: str = "real", keep_layers: int | No
     return model.eval().requires_grad_(False), full
 
 
-def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_length: int):
+def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_length: int, writer: bool = True):
     """(path, writer): a fresh one-shard store root/<enc>.zarr of the benchmark target `cfg` (build_model's full
-    config) with the provenance `dflash extract` writes, and its shard 0's writer."""
+    config) with the provenance `dflash extract` writes, and its shard 0's writer (writer=False: (path, provenance),
+    for a writer opened elsewhere)."""
     from pipeline import store as st
     from pipeline.provenance import create_or_open_store
 
@@ -133,14 +134,14 @@ def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_leng
             "layer_ids": layer_ids, "hidden_size": hidden, "encoding": enc, "chunk_tokens": 256, "clevel": clevel,
             "num_shards": 1, "dataset": {"fingerprint": "bench"}, "max_length": max_length}
     create_or_open_store(path, prov)
-    return path, st.ShardWriter(path, 0, prov)
+    return (path, st.ShardWriter(path, 0, prov)) if writer else (path, prov)
 
 
 def timed_extract(model, layer_ids: list, enc: str, dev: torch.device, batches, on_batch, sync) -> tuple:
     """(wall s, fed s, loop) of one `pipelined_extract` run (capture, GPU encode, pinned side-stream copy, writer
-    thread) over `batches` ((members, ids, lens) each), `on_batch` writing. fed s: until the loop asked past the
-    last batch (its forward queued), i.e. without the drain of the last batches' capture, copy and write (once per
-    shard). loop: the loop's own figures (stages/extract_loop.py LoopStats) as a dict."""
+    thread) over `batches` ((members, ids, lens) each), `on_batch` writing. fed s: until the last batch's forward
+    and encode ended (on CUDA the GPU's clock: the loop queues without waiting), i.e. without the drain of the last
+    batches' copy and write (once per shard). loop: the loop's own figures (stages/extract_loop.py LoopStats)."""
     from dataclasses import asdict
 
     from pipeline.target import FeatureCapture
@@ -148,19 +149,27 @@ def timed_extract(model, layer_ids: list, enc: str, dev: torch.device, batches, 
 
     capture = FeatureCapture(model, layer_ids)
     drained = [None]
+    cuda = dev.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
 
     def feed():
         yield from batches
         drained[0] = time.perf_counter()
+        if cuda:  # the loop queues work without waiting: the GPU's own clock says when its last encode ended
+            events[1].record()
 
     sync()
     t0 = time.perf_counter()
+    if cuda:
+        events[0].record()
     try:
         stats = pipelined_extract(model, capture, enc, dev, feed(), on_batch, queue_depth=3)
         sync()
     finally:
         capture.remove()
-    return time.perf_counter() - t0, drained[0] - t0, asdict(stats)
+    wall = time.perf_counter() - t0
+    fed = events[0].elapsed_time(events[1]) / 1e3 if cuda else drained[0] - t0
+    return wall, fed, asdict(stats)
 
 
 def main(argv=None) -> None:

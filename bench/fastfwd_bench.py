@@ -99,6 +99,12 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup-batches", type=int, default=4,
                     help="an untimed extraction over this many batches first, per encoding (queue depth + 1: the "
                          "pinned host buffers a shard makes once, ~1 GB each in bf16, are then in the allocator's cache)")
+    ap.add_argument("--writers", default="thread",
+                    help="comma list of store writers per encoding: thread (as shipped), switch (the thread with "
+                         "sys.setswitchinterval(--switch-interval)), process (bench/proc_writer.py: zarr in a child "
+                         "process), null (no store write: the ceiling of any writer change)")
+    ap.add_argument("--switch-interval", type=float, default=0.0005)
+    ap.add_argument("--no-reference", action="store_true", help="skip step 1 (transformers' forward; measured before)")
     ap.add_argument("--profile-batches", type=int, default=3, help="batches per profiled window (0: no profile)")
     ap.add_argument("--kernel-cache", default=None)
     ap.add_argument("--store-dir", default=None)
@@ -146,7 +152,8 @@ def main(argv=None) -> None:
                "ops": a.ops, "build_s": build_s, "tokens_per_batch": n_tok}
     if cuda:
         results["gpu"] = torch.cuda.get_device_name()
-    results["reference"] = measure("reference forward")
+    if not a.no_reference:
+        results["reference"] = measure("reference forward")
     ops = ff.fla_ops() if a.ops == "fla" else ff.torch_ops()
     results["modules_rebound"] = ff.install(model, ops)
     try:
@@ -154,8 +161,9 @@ def main(argv=None) -> None:
     except Exception as e:  # noqa: BLE001 - the reference figures are still reported
         results["fast_error"] = f"{type(e).__name__}: {e}"[:500]
         print(f"fast forward FAILED: {results['fast_error']}", flush=True)
-    if "fast" in results:
+    if "fast" in results and "reference" in results:
         results["speedup"] = results["fast"]["tok_s"] / results["reference"]["tok_s"]
+    if "fast" in results:
         results["extraction"] = extraction(a, model, layer_ids, cfg, batches, dev, sync, one)
         if not a.no_fp8_gemm:
             try:
@@ -183,33 +191,54 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
     out = {"tokens": n_tok, "bare_tok_s": n_tok / bare_s, "encodings": {}}
     root = a.store_dir or tempfile.mkdtemp(prefix="dflash-ffbench-")
 
-    def run(enc, which):  # one pipelined_extract run into a fresh store
-        path, writer = bench_store(root, enc, cfg, layer_ids, 1, a.seq)
+    def run(enc, which, variant="thread"):  # one pipelined_extract run into a fresh store
+        from bench.proc_writer import ProcessWriter
 
-        def on_batch(members, parts, bad, writer=writer):
-            T = parts["features"].shape[0]
-            n = len(members)
-            writer.write_batch(np.arange(n, dtype=np.uint64), np.zeros(n, np.uint8),
-                               np.array([a.seq] * n, np.int32), np.zeros(T, np.int32), np.ones(T, np.uint8), parts)
+        path, prov = bench_store(root, enc, cfg, layer_ids, 1, a.seq, writer=False)
+        if variant == "process":
+            writer = ProcessWriter(path, prov)
+            write = lambda n, parts: writer.write(n, a.seq, parts)  # noqa: E731
+        else:
+            from pipeline import store as st
+
+            writer = st.ShardWriter(path, 0, prov)
+
+            def write(n, parts):
+                T = parts["features"].shape[0]
+                writer.write_batch(np.arange(n, dtype=np.uint64), np.zeros(n, np.uint8), np.array([a.seq] * n, np.int32),
+                                   np.zeros(T, np.int32), np.ones(T, np.uint8), parts)
+
+        def on_batch(members, parts, bad):
+            if variant != "null":
+                write(len(members), parts)
 
         feed = [(list(range(b.shape[0])), b, [b.shape[1]] * b.shape[0]) for b in which]
-        try:  # before: the last forward queued; its capture, copy and write (once per shard) follow
-            return timed_extract(model, layer_ids, enc, dev, feed, on_batch, sync)
+        interval = sys.getswitchinterval()
+        if variant == "switch":
+            sys.setswitchinterval(a.switch_interval)
+        try:  # before: the last forward and encode ended; the copy and write of the last batch (once a shard) follow
+            wall, before, stats = timed_extract(model, layer_ids, enc, dev, feed, on_batch, sync)
+            t0 = time.perf_counter()
         finally:
-            writer.close()
+            sys.setswitchinterval(interval)
+            writer.close()  # the process writer's child still writes the last batch: its wall time waits for it
             shutil.rmtree(path, ignore_errors=True)
+        return wall + (writer.done_at - t0 if variant == "process" else 0.0), before, stats
 
     for enc in a.encodings.split(","):
         warm = batches[:a.warmup_batches]  # the first batches of a shard pin host buffers (below)
         cold_s = run(enc, warm)[0] if warm else None
-        wall, before, stats = run(enc, batches)
-        out["encodings"][enc] = {"tok_s": n_tok / wall, "ratio_vs_bare": bare_s / wall, "wall_s": wall,
-                                 "ratio_before_drain": bare_s / before, "loop": stats,
-                                 "warmup": {"batches": len(warm), "tok_s": sum(b.numel() for b in warm) / cold_s}
-                                 if warm else None}
-        print(f"extract {enc}: {n_tok / wall:.0f} tokens/s, {bare_s / wall:.3f} of the bare forward "
-              f"({bare_s / before:.3f} before the final drain); the writer busy {stats['writer_busy_s']:.2f} s, "
-              f"the forward waited {stats['queue_wait_s']:.2f} s for it", flush=True)
+        for variant in a.writers.split(","):
+            key = enc if variant == "thread" else f"{enc}/{variant}"
+            wall, before, stats = run(enc, batches, variant)
+            out["encodings"][key] = {"tok_s": n_tok / wall, "ratio_vs_bare": bare_s / wall, "wall_s": wall,
+                                     "ratio_before_drain": bare_s / before, "loop": stats, "writer": variant,
+                                     "warmup": {"batches": len(warm), "tok_s": sum(b.numel() for b in warm) / cold_s}
+                                     if warm else None}
+            print(f"extract {key}: {n_tok / wall:.0f} tokens/s, {bare_s / wall:.3f} of the bare forward "
+                  f"({bare_s / before:.3f} before the final drain); the writer busy {stats['writer_busy_s']:.2f} s "
+                  f"(+ {stats['copy_wait_s']:.2f} s waiting for copies), the forward waited "
+                  f"{stats['queue_wait_s']:.2f} s for it", flush=True)
     n = min(a.profile_batches, len(batches))
     if n:
         window = batches[-n:]
@@ -305,8 +334,10 @@ def fp8_gemms(base, layer_ids, probe, one, measure) -> dict:
 
 def _print(r: dict) -> None:
     print(f"\n{r['shape']} on {r.get('gpu', r['device'])} (ops: {r['ops']})")
-    rows = [("reference", r["reference"])] + ([("fast", r["fast"])] if "fast" in r else []) + \
-        ([("fast fp8", r["fp8_gemm"])] if "fp8_gemm" in r else [])
+    rows = ([("reference", r["reference"])] if "reference" in r else []) + ([("fast", r["fast"])] if "fast" in r else []) \
+        + ([("fast fp8", r["fp8_gemm"])] if "fp8_gemm" in r else [])
+    if not rows:
+        return
     for name, x in rows:
         print(f"{name:<10} bare forward {x['tok_s']:>9.0f} tokens/s   first pass {x['first_pass_s']:.1f}s")
     if "speedup" in r:

@@ -303,8 +303,9 @@ def fastfwd(c: Ctx) -> list:
     env = {"TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", kc), "TRITON_CACHE_AUTOTUNING": "1"}
     tiny = ["--tiny", "--device", "cpu", "--ops", "torch", "--batch", "1", "--seq", "32", "--reps", "1", "--batches",
             "1", "--encodings", "int5", "--warmup-batches", "1"]
-    opts = ["--profile-batches", c.var("FF_PROFILE", "3", "1"),
+    opts = ["--profile-batches", c.var("FF_PROFILE", "3", "1"), "--writers", c.var("FF_WRITERS", "thread", "thread,process"),
             *([] if c.var("FF_FP8", "1", "1") == "1" else ["--no-fp8-gemm"]),
+            *([] if c.var("FF_REF", "1", "1") == "1" else ["--no-reference"]),
             *([] if c.tiny else ["--batches", c.var("FF_BATCHES", "8", "1")])]
     bench = _bench(c, "fastfwd_bench.py", ["--store-dir", str(c.tmp / "ffs"), "--out", str(c.out / "fastfwd.json"),
                                            *opts], tiny, "fastfwd.log", env=env,

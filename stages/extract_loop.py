@@ -13,7 +13,7 @@ Contract:
   sync). A batch without padding is run without an attention mask: the forward is the same (transformers drops
   an all-ones mask after checking it on the device, a sync) and the GDN layers skip the masking pass.
 - `LoopStats` (returned): seconds the host waited for the writer with the queue full (the writer is the
-  bottleneck when this grows), seconds the writer was busy, batches. The profiler sees the named ranges
+  bottleneck when this grows), seconds the writer was busy (writing, not waiting for a copy), batches. The profiler sees the named ranges
   `extract.forward`, `extract.encode`, `extract.queue` and `extract.write` (bench/fastfwd_bench.py profiles them).
 """
 
@@ -36,7 +36,8 @@ from pipeline.target import FeatureCapture, capture_features
 class LoopStats:
     batches: int = 0
     queue_wait_s: float = 0.0  # the host blocked on a full queue: waiting for the writer
-    writer_busy_s: float = 0.0  # the writer thread inside to_storage + on_batch (and the copy's event)
+    writer_busy_s: float = 0.0  # the writer thread inside to_storage + on_batch
+    copy_wait_s: float = 0.0  # the writer thread waiting for a batch's device-to-host copy (the GPU still on it)
     wall_s: float = 0.0
 
 
@@ -71,10 +72,12 @@ def pipelined_extract(model, capture: FeatureCapture, encoding: str, device: tor
                 continue
             t0 = time.perf_counter()
             try:
+                meta, lens, event, parts, bad = item
+                if event is not None:
+                    event.synchronize()
+                    stats.copy_wait_s += time.perf_counter() - t0
+                    t0 = time.perf_counter()
                 with record_function("extract.write"):
-                    meta, lens, event, parts, bad = item
-                    if event is not None:
-                        event.synchronize()
                     arrays = {k: to_storage(v) for k, v in parts.items()}
                     bad = bad.numpy()
                     if bad.any():  # rare: drop the samples whose features are not finite
