@@ -182,9 +182,9 @@ class EvalConfig:
     #                           verified with the lossless rejection rule as serving does (stages/sampling.py)
     top_p: float = 1.0  # online sampling: nucleus; 1 = off
     seed: int = 0  # online sampling: draws are seeded per prompt from this
-    # online: the hybrid target on fused kernels (pipeline/fast_forward.py); off by default until its cached-call
-    # GPU test passes (it failed in its first H200 run, 2026-12-01; docs/benchmarks.md)
-    fast_forward: bool = False
+    # online: the hybrid target on fused kernels (pipeline/fast_forward.py) where it applies (CUDA with fla); its
+    # cached-call GPU test passed on the H200 (2026-12-02; docs/benchmarks.md); false: transformers' forward
+    fast_forward: bool = True
 
 
 @dataclass
@@ -205,9 +205,9 @@ class RegenerateConfig:
     request_timeout: float = 1800.0  # --server: seconds per request
     retries: int = 6  # --server: attempts after the first, with exponential backoff
     retry_backoff: float = 1.0  # --server: first wait in seconds (doubles, capped at 60 s)
-    # embedded engine: the hybrid target on fused kernels (pipeline/fast_forward.py); off by default until its
-    # cached-call GPU test passes (it failed in its first H200 run, 2026-12-01; docs/benchmarks.md)
-    fast_forward: bool = False
+    # embedded engine: the hybrid target on fused kernels (pipeline/fast_forward.py) where it applies (CUDA with
+    # fla); its cached-call GPU test passed on the H200 (2026-12-02); false: transformers' forward
+    fast_forward: bool = True
 
 
 @dataclass

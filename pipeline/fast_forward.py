@@ -30,8 +30,8 @@ and a cache without transformers 5's linear-attention methods.
 Contract:
 - `choose(model, device, enabled, key=)` -> (fast: bool, line): the fast forward runs only when enabled (the
   stage's switch `key`: `extract.fast_forward`, `regenerate.fast_forward` (the embedded engine),
-  `eval.fast_forward` (online eval); extraction's on by default, the two with a cache off until their GPU
-  test passes), on CUDA, with fla importable, on a target whose decoder
+  `eval.fast_forward` (online eval); all three on by default: the GPU tests without and with a cache passed on
+  the H200, 2026-12-02), on CUDA, with fla importable, on a target whose decoder
   layers are all Qwen3_5DecoderLayer; otherwise the line names the reason and transformers' reference forward
   runs, unchanged. `enable(model, device, enabled, key=)` is choose() plus install(), returning the line each
   stage logs.

@@ -56,11 +56,11 @@ LARGE_HIDDEN = 1024  # targets at least this wide use the "large" factors
 TOKEN_BYTES = 5  # tokens int32 + loss_mask uint8, per token (pipeline/store.py)
 SAMPLE_BYTES = 21  # sample_start int64 + sample_length int32 + sample_id uint64 + split uint8, per sample
 # tokens/s per H200 extracting the Qwen3.5/3.6-27B hybrid (layers up to 61 of 64, flash-linear-attention 0.6):
-# with dflash's fast forward (extract.fast_forward, the default) 11,197 in int5 (issue 30, docs/benchmarks.md,
-# 2026-12-01 23:36: bare forward 12,445; 8 batches of 8 x 2048 with the shard's final drain, so a lower bound:
-# 11,506 before it); transformers' reference forward 8,977 (design brief
+# with dflash's fast forward (extract.fast_forward, the default) 11,398 in int5 (issue 30, docs/benchmarks.md,
+# 2026-12-02 02:46: bare forward 12,101; 8 batches of 8 x 2048 with the shard's final drain, so a lower bound:
+# 11,714 before it, a long shard's steady state); transformers' reference forward 8,977 (design brief
 # section 2, 2 x H200, 2026-11-30: 8,903 beside training; bare 9,291), and 6,413 without flash-linear-attention
-RATE_27B_H200 = 11197
+RATE_27B_H200 = 11398
 RATE_27B_H200_REFERENCE = 8977
 RATE_27B_H200_NO_FLA = 6413
 WEIGHT_BYTES_27B = 27e9 * 2  # bf16 weights of the 27B class, the reference for scaling by size
@@ -119,7 +119,7 @@ def estimate_time(tokens: int, gpus: int, weight_bytes: Optional[float], cuda: b
                       "target (the tiny target ran at ~1,000 tokens/s on 2 shards of a 2-core machine)")
     rate = RATE_27B_H200 if fast_forward else RATE_27B_H200_REFERENCE
     src = (f"{rate:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention and "
-           + ("dflash's fast forward (measured 2026-12-01" if fast_forward else
+           + ("dflash's fast forward (measured 2026-12-02" if fast_forward else
               "transformers' forward (extract.fast_forward off; measured 2026-11-30")
            + f"; {RATE_27B_H200_NO_FLA:,} on torch fallbacks)")
     if weight_bytes is None or weight_bytes >= 0.5 * WEIGHT_BYTES_27B:

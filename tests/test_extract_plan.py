@@ -71,7 +71,7 @@ def test_time_estimate_follows_extract_fast_forward():
     fast, note = estimate_time(9_000_000, 5, WEIGHT_BYTES_27B, cuda=True)
     ref, ref_note = estimate_time(9_000_000, 5, WEIGHT_BYTES_27B, cuda=True, fast_forward=False)
     assert ref == pytest.approx(9_000_000 / (RATE_27B_H200_REFERENCE * 5)) and ref > fast
-    assert "fast forward" in note and "11,197" in note
+    assert "fast forward" in note and "11,398" in note
     assert "extract.fast_forward off" in ref_note and "8,977" in ref_note
 
 

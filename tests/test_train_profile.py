@@ -73,5 +73,7 @@ def test_user_annotations_on_the_gpu_are_not_counted_as_kernels():
           SimpleNamespace(name="## Call CompiledFxGraph abc ##", device_type=cuda),
           SimpleNamespace(name="ProfilerStep", device_type=cuda, is_user_annotation=True),
           SimpleNamespace(name="aten::mm", device_type=cpu),
-          SimpleNamespace(name="Memcpy DtoH (Device -> Pinned)", device_type=cuda)]
+          SimpleNamespace(name="Memcpy DtoH (Device -> Pinned)", device_type=cuda),
+          SimpleNamespace(name="Event Sync", device_type=cuda), SimpleNamespace(name="Stream Sync", device_type=cuda),
+          SimpleNamespace(name="Device Sync", device_type=cuda)]  # the host's waits (enable_cuda_sync_events)
     assert [e.name for e in device_work(ev)] == ["nvjet_sm90_tst_192x192", "Memcpy DtoH (Device -> Pinned)"]
