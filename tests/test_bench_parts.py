@@ -20,6 +20,10 @@ from bench.parts_run import run_steps, wait_detached  # noqa: E402
 
 # parts that need an earlier part's results in the same OUT (as bench/device_run.sh's usage lines run them)
 AFTER = {"ddpopts": "e2emfu", "tau-collect": "tau-start"}
+# parts whose tiny run has a test of its own that runs the same `bench.parts run --tiny PART` and checks its figures:
+# the generic run below leaves them out (the suite ran each of them twice)
+DEDICATED = {"fastfwd": "test_fast_forward.py", "long": "test_long_samples.py", "longdiag": "test_long_samples.py",
+             "packmfu": "test_pack_bench.py", "packtau": "test_pack_bench.py"}
 
 
 def steps_of(name: str, out: Path, tiny: bool) -> list[Step]:
@@ -117,8 +121,14 @@ def test_device_run_sh_dispatches_to_the_registry(tmp_path):
     assert "unknown part no-such-part; the parts: " in r.stdout and "e2emfu" in r.stdout, r.stdout + r.stderr
 
 
+def test_parts_left_out_of_the_generic_run_have_their_own():
+    for name, test_file in DEDICATED.items():
+        src = (ROOT / "tests" / test_file).read_text()
+        assert name in PARTS and '"bench.parts", "run", "--tiny"' in src and f'"{name}"' in src, (name, test_file)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [p for p in PARTS if p not in AFTER.values()])
+@pytest.mark.parametrize("name", [p for p in PARTS if p not in AFTER.values() and p not in DEDICATED])
 def test_part_runs_at_its_tiny_size_on_the_cpu(name, tmp_path):
     """What `bash bench/device_run.sh smoke` runs, one part at a time: exit 0 and every --out file written."""
     names = [AFTER[name], name] if name in AFTER else [name]
