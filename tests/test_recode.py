@@ -37,7 +37,7 @@ def features(path):
     return out
 
 
-@pytest.mark.parametrize("encoding,max_err", [("int5", 0.06),
+@pytest.mark.parametrize("encoding,max_err", [pytest.param("int5", 0.06, marks=pytest.mark.slow),  # ~17 s each
                                               pytest.param("int4+int8last", 0.12, marks=pytest.mark.slow)])
 def test_recode_keeps_samples_and_features_and_is_inspectable(src, tmp_path, encoding, max_err):
     dst = str(tmp_path / "dst.zarr")

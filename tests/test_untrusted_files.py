@@ -63,6 +63,7 @@ def _error(r) -> str:
     return r.stderr[r.stderr.rindex("error: "):]
 
 
+@pytest.mark.slow  # the `trained` fixture (a tiny training run, ~14 s) is the slow tests' here; CI runs it
 def test_loader_refuses_a_pickle_that_runs_code_and_reads_real_checkpoints(trained, tmp_path):
     _, run = trained
     marker = tmp_path / "marker"
