@@ -192,10 +192,10 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
     root = a.store_dir or tempfile.mkdtemp(prefix="dflash-ffbench-")
 
     def run(enc, which, variant="thread"):  # one pipelined_extract run into a fresh store
-        from bench.proc_writer import ProcessWriter
-
         path, prov = bench_store(root, enc, cfg, layer_ids, 1, a.seq, writer=False)
         if variant == "process":
+            from bench.proc_writer import ProcessWriter
+
             writer = ProcessWriter(path, prov)
             write = lambda n, parts: writer.write(n, a.seq, parts)  # noqa: E731
         else:
