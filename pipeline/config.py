@@ -14,6 +14,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any, Optional
 
 import yaml
 
-from pipeline.config_ranges import check_ranges
+from pipeline.config_ranges import PACK_PER_MAX_LENGTH, check_ranges
 from pipeline.encoding import ENCODINGS
 from pipeline.errors import ConfigError  # noqa: F401 (re-exported: pipeline.config.ConfigError)
 
@@ -143,6 +144,9 @@ class TrainConfig:
     selector_loss_alpha: float = 1.0  # dflash2: weight of the selector's K-way cross-entropy (0: no selector)
     batch_size: int = 1  # sequences per micro-batch per rank
     accumulate_grad_batches: int = 1
+    # a resume on another number of ranks keeps the checkpoint's samples per optimizer step by recomputing
+    # accumulate_grad_batches (stages/train_batch.py); false: the global batch grows with the ranks
+    keep_global_batch: bool = True
     loss_chunk_rows: int = 4096  # rows of logits materialised at once
     precision: str = "bf16-mixed"  # on GPU; CPU always runs fp32
     compile: str = "auto"  # auto (on CUDA) | on | off
@@ -300,6 +304,12 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - a programming error
 
 
+def _nearest(word: str, choices) -> str:
+    """" (did you mean 'X'?)" for the closest of `choices` (difflib), else ""."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _build_section(cls: type, raw: Any, section: str, source: str) -> Any:
     if raw is None:
         raw = {}
@@ -309,9 +319,8 @@ def _build_section(cls: type, raw: Any, section: str, source: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
-        raise ConfigError(
-            f"{source}: unknown key '{section}.{unknown[0]}' (valid keys of '{section}': {', '.join(sorted(names))})"
-        )
+        raise ConfigError(f"{source}: unknown key '{section}.{unknown[0]}'{_nearest(unknown[0], names)} (valid keys "
+                          f"of '{section}': {', '.join(sorted(names))})")
     kwargs = {k: _check_type(_on_off(section, k, v), hints[k], f"{source}: {section}.{k}") for k, v in raw.items()}
     return cls(**kwargs)
 
@@ -381,6 +390,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"{src}: train.pack_tokens ({cfg.train.pack_tokens}) is below data.max_length "
                           f"({cfg.data.max_length}): a sample of max_length tokens must fit one packed row; raise "
                           "pack_tokens or leave it unset (= data.max_length)")
+    if cfg.train.pack_tokens is not None and cfg.train.pack_tokens > PACK_PER_MAX_LENGTH * cfg.data.max_length:
+        raise ConfigError(f"{src}: train.pack_tokens ({cfg.train.pack_tokens}) is more than {PACK_PER_MAX_LENGTH} x "
+                          f"data.max_length ({cfg.data.max_length}): rows that long cost memory without filling; use "
+                          f"at most {PACK_PER_MAX_LENGTH * cfg.data.max_length}")
     if cfg.target.layer_ids is not None and sorted(set(cfg.target.layer_ids)) != cfg.target.layer_ids:
         raise ConfigError(f"{src}: target.layer_ids must be strictly increasing, got {cfg.target.layer_ids}")
     ps = cfg.train.profile_steps
@@ -400,6 +413,41 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, name, parsed
 
 
+def _apply_overrides(raw: dict, overrides) -> dict[str, str]:
+    """Apply `--set section.key=value` strings to a raw config dict; a section or key that does not exist is
+    blamed on the --set option (not on the YAML file), with the nearest valid name. Returns 'section.key' -> the
+    --set text, so that a refused value names the --set that gave it."""
+    classes, given = _section_classes(), {}
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section not in classes:
+            raise ConfigError(f"--set {text!r}: unknown section '{section}'{_nearest(section, classes)} (valid: "
+                              f"{', '.join(classes)})")
+        names = [f.name for f in dataclasses.fields(classes[section])]
+        if name not in names:
+            full = [f"{section}.{n}" for n in names]
+            raise ConfigError(f"--set {text!r}: unknown key '{section}.{name}'{_nearest(f'{section}.{name}', full)} "
+                              f"(valid keys of '{section}': {', '.join(sorted(names))})")
+        if not isinstance(raw.get(section), dict):
+            raw[section] = {}
+        raw[section][name] = value
+        given[f"{section}.{name}"] = text
+    return given
+
+
+def _from_dict_blaming_set(raw: dict, source: str, given: dict[str, str]) -> Config:
+    """config_from_dict, with a refused value that came from --set named as that --set, not as the file."""
+    try:
+        return config_from_dict(raw, source=source)
+    except ConfigError as e:
+        msg = str(e)
+        for key, text in given.items():
+            head = f"{source}: {key}"
+            if msg.startswith(head) and msg[len(head):len(head) + 1] in (":", " ", "["):
+                raise ConfigError(f"--set {text!r}: {key}{msg[len(head):]}") from None
+        raise
+
+
 def resolve_path(value: str, base: Path) -> str:
     """Resolve a config path: `builtin:NAME` -> shipped asset; relative -> against `base`; URLs unchanged."""
     if value.startswith("builtin:"):
@@ -410,26 +458,44 @@ def resolve_path(value: str, base: Path) -> str:
     return str(candidate)
 
 
+class _DuplicateKey(Exception):
+    """A YAML mapping names one key twice (PyYAML's safe loader silently keeps the last)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: which value was meant is unknowable."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (list, dict)):
+                continue  # unhashable: SafeLoader's own error names it
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(f"key '{key}' is given twice in one mapping (lines {seen[key]} and {line}); "
+                                    "keep one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML run config (default: the embedded tiny config) and apply `section.key=value` overrides."""
     path = Path(path) if path is not None else CONFIGS_DIR / "tiny.yaml"
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist; pass --config PATH (see configs/ for examples)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    for text in overrides:
-        section, name, value = parse_override(text)
-        if section not in _SECTIONS:
-            raise ConfigError(f"--set {text!r}: unknown section '{section}' (valid: {', '.join(_SECTIONS)})")
-        raw.setdefault(section, {})
-        if raw[section] is None:
-            raw[section] = {}
-        raw[section][name] = value
-    cfg = config_from_dict(raw, source=str(path))
+    given = _apply_overrides(raw, overrides)
+    cfg = _from_dict_blaming_set(raw, str(path), given)
     base = path.resolve().parent
     cfg.target.path = _resolve_target(cfg.target.path, base)
     cwd = Path.cwd()
@@ -457,12 +523,8 @@ def resolve_config(config_path: str | Path | None, overrides: list[str] | tuple[
         import json
 
         raw = json.loads(json.dumps(embedded))  # a copy: the checkpoint's dict stays as it was
-        for text in overrides:
-            section, name, value = parse_override(text)
-            if section not in raw:
-                raise ConfigError(f"--set {text!r}: unknown section '{section}'")
-            raw[section][name] = value
-        return config_from_dict(raw, source=embedded_source), embedded_source
+        given = _apply_overrides(raw, overrides)
+        return _from_dict_blaming_set(raw, embedded_source, given), embedded_source
     return load_config(None, overrides), "configs/tiny.yaml (default)"
 
 

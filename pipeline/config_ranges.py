@@ -19,6 +19,11 @@ from typing import Any, Optional
 from pipeline.errors import ConfigError
 
 U32 = 2**32 - 1  # seeds: numpy's and Lightning's seed_everything's range
+MAX_BLOCK = 128  # drafter.block_size: the paper's blocks are 8-16; each block slot is a row of the loss per anchor
+# train.pack_tokens: one packed row is a single sequence through the drafter (its target features, attention and
+# logits): 131072 tokens of the 27B target's 5 bf16 feature layers are already ~6.7 GB; 10^6 ran out of memory
+MAX_PACK_TOKENS = 131072
+PACK_PER_MAX_LENGTH = 64  # and at most this many samples of data.max_length per row (config._validate)
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("drafter", "rope_theta"): POSITIVE,
     ("drafter", "max_position_embeddings"): COUNT,
     ("drafter", "sliding_window"): Range(1, text="1 or more, or null"),
-    ("drafter", "block_size"): Range(2, text="at least 2"),
+    ("drafter", "block_size"): Range(2, MAX_BLOCK, text=f"in [2, {MAX_BLOCK}] (DFlash drafts 8 to 16 tokens per block)"),
     ("drafter", "mask_token_id"): ZERO_UP,
     ("drafter", "conv_kernel_size"): COUNT,
     ("drafter", "conv_group_size"): COUNT,
@@ -114,7 +119,8 @@ RANGES: dict[tuple[str, str], Range] = {
     ("train", "seed"): SEED,
     ("train", "follow_buffer"): Range(0, text="0 or more (samples)"),
     ("train", "length_group_factor"): Range(0, text="0 (no grouping by length) or more (batches per window)"),
-    ("train", "pack_tokens"): COUNT,
+    ("train", "pack_tokens"): Range(1, MAX_PACK_TOKENS, text=f"in [1, {MAX_PACK_TOKENS}] (tokens of one packed row, "
+                                    "its features and logits on one GPU), or null for data.max_length"),
     ("train", "ddp_bucket_cap_mb"): POSITIVE,
     ("train", "num_nodes"): COUNT,
     ("train", "rendezvous_timeout_s"): Range(0, lo_open=True, text="positive (seconds)"),

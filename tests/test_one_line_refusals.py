@@ -1,0 +1,69 @@
+"""Inputs that used to end in a traceback are one line naming the input and the fix, exit 2, before any run
+directory or store exists (issue 40 item 6; issue 43 item 3: --set typos, a missing target path)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers_cli import TINY  # noqa: E402
+from stages.cli import main  # noqa: E402
+
+
+def refused(args: list[str], tmp_path: Path, *, command: str = "train") -> str:
+    """Run `dflash COMMAND ARGS` in-process with its run dir and store under tmp_path/out; assert exit 2, one
+    `error:` line and that nothing was created; return that line."""
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, [command, *args, "--set", f"train.run_dir={out / 'run'}",
+                                  "--store", str(out / "s.zarr")])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:") or "Traceback" in ln]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "\n" not in str(r.exception or "") and not out.exists(), r.output
+    return lines[0]
+
+
+def test_a_duplicate_yaml_key_is_an_error_naming_both_lines(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(Path(TINY).read_text() + "train:\n  lr: 1.0e-3\n")  # a second `train:` section
+    line = refused(["--config", str(cfg)], tmp_path)
+    assert line.startswith(f"error: {cfg}: key 'train' is given twice in one mapping (lines ")
+    assert "keep one of them" in line
+    cfg.write_text("train:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 2.0e-3\n")
+    assert "key 'lr' is given twice in one mapping (lines 2 and 4)" in refused(["--config", str(cfg)], tmp_path)
+
+
+@pytest.mark.parametrize("setting,text", [
+    ("train.lrr=1e-3", "--set 'train.lrr=1e-3': unknown key 'train.lrr' (did you mean 'train.lr'?)"),
+    ("trian.lr=1e-3", "--set 'trian.lr=1e-3': unknown section 'trian' (did you mean 'train'?)"),
+    ("drafter.blok_size=8", "--set 'drafter.blok_size=8': unknown key 'drafter.blok_size' (did you mean "
+                            "'drafter.block_size'?)"),
+    ("train.epochs=six", "--set 'train.epochs=six': train.epochs: expected an integer, got str 'six'"),
+])
+def test_a_set_typo_is_blamed_on_the_set_option_with_the_nearest_key(setting, text, tmp_path):
+    line = refused(["--config", TINY, "--set", setting], tmp_path)
+    assert line.startswith(f"error: {text}"), line
+    assert TINY not in line  # the YAML file is not blamed for what --set said
+
+
+def test_a_yaml_typo_suggests_the_nearest_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  warmup_ratoi: 0.1\n")
+    assert refused(["--config", str(cfg)], tmp_path).startswith(
+        f"error: {cfg}: unknown key 'train.warmup_ratoi' (did you mean 'warmup_ratio'?)")
+
+
+@pytest.mark.parametrize("settings,text", [
+    (["drafter.block_size=100000"], "drafter.block_size must be in [2, 128]"),
+    (["train.packing=true", "train.pack_tokens=1000000"], "train.pack_tokens must be in [1, 131072]"),
+    (["train.packing=true", "train.pack_tokens=100000"], "train.pack_tokens (100000) is more than 64 x "
+                                                         "data.max_length (256)"),
+])
+def test_sizes_that_build_tensors_are_bounded_before_anything_is_made(settings, text, tmp_path):
+    sets = [w for s in settings for w in ("--set", s)]
+    assert text in refused(["--config", TINY, *sets], tmp_path)
