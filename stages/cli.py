@@ -136,6 +136,27 @@ def extract(config_path, overrides, shards, gpus, shard_index, store, plan):
          command=_command_line())
 
 
+@main.command("prepare-data")
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--out", default="data/prompts", show_default=True, type=click.Path(file_okay=False),
+              help="Writes OUT/train.jsonl, OUT/validation.jsonl (the prompts regenerate reads) and OUT/prepare.json.")
+@click.option("--validation-fraction", type=float, default=0.01, show_default=True,
+              help="Share of conversations in validation.jsonl, split by a hash of the prompt.")
+@click.option("--split", "splits", default=None, help="Saved DatasetDict: splits to read, comma-separated "
+              "(default: train, else all).")
+@click.option("--prompt-col", default=None, help="Column holding the user turn (instruction/response layouts).")
+@click.option("--response-col", default=None, help="Column holding the assistant turn (optional).")
+def prepare_data(inputs, out, validation_fraction, splits, prompt_col, response_col):
+    """Turn chat data (ShareGPT or OpenAI-messages JSON/JSONL, a saved Hugging Face dataset, parquet, or
+    instruction/response columns) into the recipe's prompt files with a train/validation split.
+    Bad rows are counted by reason and skipped."""
+    from stages.prepare_data import run_prepare_data
+
+    _run(run_prepare_data, list(inputs), out=out, validation_fraction=validation_fraction,
+         splits=[s for s in (splits or "").split(",") if s.strip()] or None, prompt_col=prompt_col,
+         response_col=response_col, command=_command_line())
+
+
 @main.command()
 @config_option
 @set_option
