@@ -528,6 +528,14 @@ def resolve_config(config_path: str | Path | None, overrides: list[str] | tuple[
     return load_config(None, overrides), "configs/tiny.yaml (default)"
 
 
+def startup_line(stage: str, cfg: Config, config_path: Optional[str], store: Optional[str] = None) -> str:
+    """A stage's first line: which config (saying when it is the tiny default because no --config was given),
+    target, store and run directory it works with."""
+    source = cfg.source if config_path else f"{cfg.source} (no --config given: the tiny demo config)"
+    return (f"{stage}: config {source}; target {cfg.target.path}; store {store or cfg.store.path}; "
+            f"run dir {cfg.train.run_dir}")
+
+
 def _resolve_target(value: str, base: Path) -> str:
     if value.startswith("builtin:") or value.startswith(".") or Path(value).is_absolute():
         return resolve_path(value, base)

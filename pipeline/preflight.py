@@ -10,6 +10,9 @@ Contract:
 - `disk_full_error(exc)` is the ENOSPC/EDQUOT OSError anywhere in an exception's chain (Lightning wraps and
   re-raises), else None; `disk_full_message(err, path, resume)` is the one line `DiskFull` carries: the file
   refused, its disk (mount point, free space) and the command that resumes once space is freed.
+- `check_target_path(path, key)` refuses a local target path that is missing, not a directory, unreadable or
+  without config.json, as one line naming the path and the config key (extract and regenerate: before any
+  transformers traceback).
 - `usable_cores()` is the number of cores this process may run on (its CPU affinity, which a scheduler's
   cgroup sets), not the machine's count.
 - `compile_cache_dir(root, key_parts)` is a directory keyed by what produced the artifacts (torch version,
@@ -129,6 +132,25 @@ def disk_warning(path: str, bytes_needed: float) -> Optional[str]:
                 f"({(bytes_needed - free) / 1e9:.1f} GB missing); extraction stops cleanly when the disk fills and "
                 "resumes once space is freed")
     return None
+
+
+def check_target_path(path: str, key: str = "target.path") -> None:
+    """A target path that cannot be a target, as one PreflightError naming the path and the key: a local path
+    (absolute, ./, ../, ~ or more than one `/`: never a hub id) that does not exist, is not a readable directory
+    or has no config.json. A hub id (`org/name`) is left to the loader (load_tokenizer words its failure)."""
+    p = Path(path).expanduser()
+    local = p.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1 or p.exists()
+    if not local:
+        return
+    fix = f"set {key} (in the config or --set {key}=DIR) to the target's checkpoint directory or a hub id"
+    if not p.exists():
+        raise PreflightError(f"{key} {path} does not exist; {fix}")
+    if not p.is_dir():
+        raise PreflightError(f"{key} {path} is not a directory (a checkpoint directory holds config.json, the "
+                             f"tokenizer and the weights); {fix}")
+    if not os.access(p, os.R_OK | os.X_OK) or not os.access(p / "config.json", os.R_OK):
+        what = "has no config.json" if not (p / "config.json").exists() else "is not readable by this user"
+        raise PreflightError(f"{key} {path} {what}; {fix}")
 
 
 class DiskFull(UserError, OSError):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pipeline.config import build_target_layer_ids
+from pipeline.errors import ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -116,14 +117,25 @@ def resolve_layer_ids(layer_ids: Optional[list[int]], num_layers: int, num_featu
     ids = list(layer_ids) if layer_ids is not None else build_target_layer_ids(num_layers, num_feature_layers)
     bad = [k for k in ids if not 0 <= k < num_layers]
     if bad:
-        raise ValueError(f"target.layer_ids {bad} out of range for a target with {num_layers} layers (0..{num_layers - 1})")
+        raise ConfigError(f"target.layer_ids {bad} out of range for a target with {num_layers} layers: use ids in "
+                          f"0..{num_layers - 1}, or leave target.layer_ids unset (target.num_feature_layers picks them)")
     return ids
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The target's tokenizer; a path that is no target, or a hub id that cannot be loaded, is one line naming
+    target.path (pipeline.preflight.check_target_path), not transformers' traceback."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    from pipeline.preflight import PreflightError, check_target_path
+
+    check_target_path(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise PreflightError(f"target.path {path}: its tokenizer cannot be loaded ({first}); set target.path to a "
+                             "checkpoint directory with config.json and tokenizer files, or a reachable hub id") from None
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:

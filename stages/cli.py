@@ -80,18 +80,27 @@ def _run(fn, *args, **kwargs) -> None:
     sys.exit(code or ExitCode.OK)
 
 
-config_option = click.option("--config", "config_path", default=DEFAULT_CONFIG, show_default="configs/tiny.yaml",
+config_option = click.option("--config", "config_path", default=None, show_default="configs/tiny.yaml",
                              type=click.Path(dir_okay=False), help="Run config (YAML).")
 set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                           help="Override a config field, e.g. --set train.lr=3e-4 (repeatable).")
 
 
-def _load(config_path: str, overrides) -> "object":
+def _load(config_path: Optional[str], overrides) -> "object":
+    """The stage's config (the tiny one only when no --config is given), then its start-up line (pipeline.config.startup_line)."""
     try:
-        return load_config(config_path, list(overrides))
+        cfg = load_config(config_path or DEFAULT_CONFIG, list(overrides))
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(ExitCode.USAGE)
+    import os
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and "LOCAL_RANK" not in os.environ:  # once per command, not once per rank Lightning starts
+        from pipeline.config import startup_line
+
+        click.echo(startup_line(ctx.info_name, cfg, config_path, ctx.params.get("store")), err=True)
+    return cfg
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -11,16 +11,18 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers_cli import TINY  # noqa: E402
+from helpers_cli import ROOT, TINY  # noqa: E402
 from stages.cli import main  # noqa: E402
+
+TINY_TARGET = ROOT / "data" / "assets" / "tiny-target"
 
 
 def refused(args: list[str], tmp_path: Path, *, command: str = "train") -> str:
     """Run `dflash COMMAND ARGS` in-process with its run dir and store under tmp_path/out; assert exit 2, one
     `error:` line and that nothing was created; return that line."""
     out = tmp_path / "out"
-    r = CliRunner().invoke(main, [command, *args, "--set", f"train.run_dir={out / 'run'}",
-                                  "--store", str(out / "s.zarr")])
+    store = ["--set", f"store.path={out / 's.zarr'}"] if command == "regenerate" else ["--store", str(out / "s.zarr")]
+    r = CliRunner().invoke(main, [command, *args, "--set", f"train.run_dir={out / 'run'}", *store])
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.splitlines() if ln.startswith("error:") or "Traceback" in ln]
     assert len(lines) == 1 and lines[0].startswith("error: "), r.output
@@ -67,3 +69,44 @@ def test_a_yaml_typo_suggests_the_nearest_key(tmp_path):
 def test_sizes_that_build_tensors_are_bounded_before_anything_is_made(settings, text, tmp_path):
     sets = [w for s in settings for w in ("--set", s)]
     assert text in refused(["--config", TINY, *sets], tmp_path)
+
+
+def _unreadable_target(tmp_path: Path) -> Path:
+    d = tmp_path / "no-config-target"
+    d.mkdir()
+    (d / "tokenizer.json").write_text("{}")  # a directory, but not a checkpoint: no config.json
+    return d
+
+
+@pytest.mark.parametrize("command", ["extract", "regenerate"])
+@pytest.mark.parametrize("kind", ["missing", "file", "no config.json"])
+def test_a_bad_target_path_is_one_line_naming_the_path_and_the_key(command, kind, tmp_path):
+    target = {"missing": tmp_path / "typo" / "Qwen3-8B", "file": Path(TINY),
+              "no config.json": _unreadable_target(tmp_path)}[kind]
+    extra = ["--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out" / "regen")] \
+        if command == "regenerate" else ["--shards", "1"]
+    line = refused(["--config", TINY, "--set", f"target.path={target}", *extra], tmp_path, command=command)
+    assert line.startswith(f"error: target.path {target} ")
+    assert {"missing": "does not exist", "file": "is not a directory", "no config.json": "has no config.json"}[kind] in line
+    assert "set target.path (in the config or --set target.path=DIR)" in line
+
+
+def test_a_target_layer_past_the_targets_depth_is_refused_before_the_store_is_made(tmp_path):
+    line = refused(["--config", TINY, "--shards", "1", "--set", "target.layer_ids=[1,3,50]",
+                    "--set", "data.max_samples=8"], tmp_path, command="extract")
+    assert line == ("error: target.layer_ids [50] out of range for a target with 8 layers: use ids in 0..7, or leave "
+                    "target.layer_ids unset (target.num_feature_layers picks them)")
+
+
+def test_every_stage_starts_with_one_line_naming_config_target_store_and_run_dir(tmp_path, monkeypatch):
+    """The tiny config only when no --config is given, and then the line says so (issue 43 item 3)."""
+    monkeypatch.chdir(tmp_path)
+    store, run, target = tmp_path / "nowhere.zarr", tmp_path / "run", TINY_TARGET
+    r = CliRunner().invoke(main, ["train", "--store", str(store), "--set", f"train.run_dir={run}"])
+    assert r.output.splitlines()[0] == (f"train: config {TINY} (no --config given: the tiny demo config); target "
+                                        f"{target}; store {store}; run dir {run}")
+    assert r.exit_code == 2 and f"no store at {store}" in r.output and not run.exists()
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text(Path(TINY).read_text().replace("runs/tiny/store.zarr", str(store)))
+    r = CliRunner().invoke(main, ["extract", "--config", str(cfg), "--plan", "--set", "data.max_samples=8"])
+    assert r.output.splitlines()[0] == f"extract: config {cfg}; target {target}; store {store}; run dir runs/tiny/train"
