@@ -111,8 +111,13 @@ def save_final(trainer, checkpoint, last: Path) -> None:
     """Make RUN/checkpoints/last.ckpt hold the final state, writing only if no checkpoint has this step yet."""
     if getattr(checkpoint, "_last_global_step_saved", -1) == trainer.global_step and last.exists():
         return  # last.ckpt links the step checkpoint written at this very step
-    if trainer.is_global_zero and last.is_symlink():
-        last.unlink()  # write a new file; never overwrite the step checkpoint the link points at
+    from stages.train_ckpt_io import AsyncCheckpointIO
+
+    # a new file, never an overwrite of the step checkpoint the link names. The atomic writer's rename replaces
+    # the link itself, so last.ckpt names a checkpoint throughout; any other writer needs the link gone first
+    atomic = isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO) and "://" not in str(last)
+    if trainer.is_global_zero and last.is_symlink() and not atomic:
+        last.unlink()
     trainer.save_checkpoint(last, weights_only=False)  # every rank calls it (it synchronises); rank 0 writes
 
 

@@ -279,9 +279,15 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
                          f"{last} (its weights, optimizer and data position). Pass one of them, not both")
     if init_from:
         cfg.drafter.init_from = str(Path(init_from).resolve())  # recorded in RUN/config.yaml and the checkpoints
+    if "LOCAL_RANK" not in os.environ:  # the launcher, before its ranks start: names left by a kill (issue 40)
+        from pipeline.ckpt_io import remove_stale_temps, repair_last_link
+
+        remove_stale_temps(ckpt_dir)
+        if resume:
+            repair_last_link(ckpt_dir)
     if resume and not last.exists():
         raise TrainError(f"--resume: no checkpoint at {last}; start without --resume")
-    if not resume and last.exists():
+    if not resume and (last.exists() or last.is_symlink()):
         raise TrainError(f"{run_dir} already holds a run (checkpoint {last}); pass --resume to continue it, "
                          "or set --set train.run_dir=NEW_DIR for a new run")
 

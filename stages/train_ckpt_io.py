@@ -10,7 +10,10 @@ Contract:
   an error during a write leaves the previous file as it was; a write error is raised by the next save or wait.
 - What must follow a write (ModelCheckpoint's `last.ckpt` link to the new step file, the removal of the step
   file it replaces) runs after the rename (`after_write`), so `last.ckpt` always names a complete file; after a
-  failed write it never runs (the previous checkpoint and its link stay).
+  failed write it never runs (the previous checkpoint and its link stay). `LinkAfterWrite` also holds the removal
+  of the replaced step file until `last.ckpt` names the new one (a kill between the two leaves both files and a
+  link to the new one, never a dangling link: issue 40), and never makes Lightning's versioned names
+  (`last-v1.ckpt`, `step6-v1.ckpt`): a resumed run's link is `last.ckpt`, replaced in one rename.
 - Loading (`--resume`) goes through pipeline.ckpt_io: weights_only with dflash's allow-list, whatever Lightning
   asks for, so a planted last.ckpt cannot run code. A write that fails with OSError (a full disk) names its file
   (`e.filename`), which pipeline.preflight's one-line disk message reads.
@@ -34,7 +37,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from pipeline import store as st
-from pipeline.ckpt_io import safe_checkpoint_io_class
+from pipeline.ckpt_io import relink, safe_checkpoint_io_class
 
 
 def write_atomic(obj, path: Path) -> None:
@@ -230,26 +233,42 @@ class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: 
 
 class LinkAfterWrite(ModelCheckpoint):
     """ModelCheckpoint whose `last.ckpt` link is made once the step file it names is written (AsyncCheckpointIO),
-    so that a crash during a write leaves the link on the previous, complete checkpoint."""
+    so that a crash during a write leaves the link on the previous, complete checkpoint; the step file the new one
+    replaces is removed only after the link moved (see the module contract). No versioned names: a resume from
+    the first checkpoint (whose state has no last_model_path) would otherwise link `last-v1.ckpt` and leave
+    `last.ckpt` naming the removed step file."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, enable_version_counter=False, **kwargs)
+        self._held: list[str] = []  # step files to remove once last.ckpt names their successor
+        self._holding = False
+
+    def _save_topk_checkpoint(self, trainer, monitor_candidates) -> None:
+        self._holding = True
+        try:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+        finally:
+            self._holding = False
+
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        if self._holding:
+            self._held.append(filepath)
+        else:
+            super()._remove_checkpoint(trainer, filepath)
+
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)  # the link (after the write), then the removals
+        held, self._held = self._held, []
+        for f in held:
+            super()._remove_checkpoint(trainer, f)
 
     def _link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
         io = trainer.strategy.checkpoint_io
         if trainer.is_global_zero and isinstance(io, AsyncCheckpointIO):
-            io.after_write(lambda: _relink(filepath, linkpath))
+            io.after_write(lambda: relink(filepath, linkpath))
             trainer.strategy.barrier()
         else:
             super()._link_checkpoint(trainer, filepath, linkpath)
-
-
-def _relink(filepath: str, linkpath: str) -> None:
-    """Point `linkpath` at `filepath` in one rename (a new link beside it, then os.replace)."""
-    if os.path.abspath(filepath) == os.path.abspath(linkpath):
-        return
-    tmp = f"{linkpath}.tmp-link"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
-    os.replace(tmp, linkpath)
 
 
 def wait_for_checkpoints(trainer, sync: bool = False) -> None:

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import stages.train_ckpt_io as io_mod  # noqa: E402
-from stages.train_ckpt_io import AsyncCheckpointIO, _relink  # noqa: E402
+from pipeline.ckpt_io import relink as _relink  # noqa: E402
+from stages.train_ckpt_io import AsyncCheckpointIO  # noqa: E402
 
 
 @pytest.fixture
