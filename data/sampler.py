@@ -19,6 +19,11 @@ Contract:
   rows, each row several samples (data/packing.py `packed_plan`: seeded, world-size independent); K is that
   plan's length, and every item names its row. A stream epoch stays batches of `batch_size` samples, packed
   by the collate. The state records pack_tokens: a resume must pack the same way (stages/train.py checks).
+- The state also records the plan's shape (micro-batch `batch_size`, `accumulate`, world size) and the samples of
+  the finished global batches (`samples_done`). A resume whose accumulation differs (stages/train_batch.py keeps
+  the global batch when the world size changes) counts the epoch's done batches in its own steps: k0 becomes
+  (optimizer steps done) x the new accumulate, so Lightning's windows stay aligned; the data position, the
+  global batches done, is unchanged and exact in samples.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ class RankBatchSampler(torch.utils.data.Sampler):
 
     def __init__(self, samples, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, group_factor: int = 32, stream_epochs: Sequence[int] = (), buffer: int = 0,
-                 pack_tokens: Optional[int] = None):
+                 pack_tokens: Optional[int] = None, accumulate: int = 1):
         self.source = samples if hasattr(samples, "all") else FixedSamples(range(len(samples)), samples)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.shuffle, self.group_factor = seed, shuffle, group_factor
@@ -102,6 +107,7 @@ class RankBatchSampler(torch.utils.data.Sampler):
         self.k0 = self.p0 = 0  # this rank's and the global batches done in `epoch` when this process took it up
         self.consumed = 0  # batches of `epoch` this rank has finished (set by the training step)
         self.pack_tokens = pack_tokens  # None: one sample per row; N: packed rows of <= N tokens
+        self.accumulate = accumulate  # micro-batches per optimizer step (the step's windows in this epoch)
         self._plan: tuple[int, list[list[int]]] = (-1, [])
         self._packed_counts: dict[int, int] = {}  # epoch -> global batches of its packed plan
 
@@ -186,10 +192,19 @@ class RankBatchSampler(torch.utils.data.Sampler):
                 yield [(self.source.filler(), e, True)]
 
     # -- state ---------------------------------------------------------------------------------------------
+    def samples_done(self) -> int:
+        """Samples in the global batches finished this epoch (fillers not counted)."""
+        done = self.global_done()
+        if self.epoch in self.stream_epochs:
+            return min(done * self.batch_size, self.source.planned)
+        plan = self._window(self.epoch)[:done]
+        return sum(len(row) for b in plan for row in b) if self.pack_tokens else sum(len(b) for b in plan)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.consumed, "global_done": self.global_done(),
                 "world_size": self.world_size, "stream_epochs": sorted(self.stream_epochs), "buffer": self.buffer,
-                "group_factor": self.group_factor, "pack_tokens": self.pack_tokens}
+                "group_factor": self.group_factor, "pack_tokens": self.pack_tokens, "batch_size": self.batch_size,
+                "accumulate": self.accumulate, "samples_done": self.samples_done()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` was saved, possibly with another world size. A state of an older dflash (epoch
@@ -197,6 +212,9 @@ class RankBatchSampler(torch.utils.data.Sampler):
         self.epoch = int(state["epoch"])
         self.k0 = self.consumed = int(state["batches_done"])
         self.p0 = int(state.get("global_done", self.k0 * int(state.get("world_size", self.world_size))))
+        saved_accumulate = int(state.get("accumulate", self.accumulate))
+        if saved_accumulate != self.accumulate:  # the same optimizer steps done, counted in the new windows
+            self.k0 = self.consumed = -(-self.k0 // saved_accumulate) * self.accumulate
         if "stream_epochs" in state:
             self.stream_epochs = set(int(e) for e in state["stream_epochs"])
         self.buffer = int(state.get("buffer", self.buffer))  # the stream epoch's batches as they were drawn

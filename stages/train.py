@@ -92,7 +92,8 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
     train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log,
                             anchors_per_token=anchors_per_token(cfg))  # validation keeps the fixed rule: comparable
     sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs,
-                               buffer=t.follow_buffer, group_factor=t.length_group_factor, pack_tokens=packing)
+                               buffer=t.follow_buffer, group_factor=t.length_group_factor, pack_tokens=packing,
+                               accumulate=t.accumulate_grad_batches)
     # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock
     kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init,
               multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
@@ -127,7 +128,9 @@ def _checkpoint_state(path: Path) -> dict:
     ckpt = load_training_checkpoint(path, mmap=True)  # weights_only: never runs code from the file
     loop = ckpt.get("loops", {}).get("fit_loop", {})
     loaders = loop.get("state_dict", {}).get("combined_loader") or [None]
+    saved_train = ((ckpt.get("dflash") or {}).get("config") or {}).get("train") or {}
     return {"loader": loaders[0], "global_step": int(ckpt.get("global_step", 0)),
+            "accumulate": saved_train.get("accumulate_grad_batches"),  # a checkpoint whose loader lacks it
             "logged_through": int(loop.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", -1))}
 
 
@@ -172,11 +175,6 @@ def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Option
     saved_buffer = saved.get("buffer", t.follow_buffer)  # a resumed run draws as it did
     growing.wait_until_trainable(min_start_samples(world, t.batch_size, t.accumulate_grad_batches) + saved_buffer)
     return attrs, growing, stream_epochs, head_check
-
-
-def _world_changed(resume_state: Optional[dict], world: int) -> bool:
-    loader = (resume_state or {}).get("loader") or {}
-    return int(loader.get("world_size", world)) != world
 
 
 def _unfinished_shards(store_path: str, attrs: dict) -> list[int]:
@@ -323,6 +321,9 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
 
         check_gpus_free(list(devs), need_gib=16)
     resume_state = _checkpoint_state(last) if resume else None
+    from stages.train_batch import plan_changed, realign_callback, resume_accumulate
+
+    resume_accumulate(cfg, resume_state, world, say=rank == 0)  # the global batch kept on another world size
     attrs, reader, stream_epochs, head_check = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
     phases.mark("store checks")
     # Lightning and the training module (~5 s of imports) load while the head's checksum runs in its thread
@@ -378,7 +379,7 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
                              "with the checkpoint's setting (--set train.packing=... train.pack_tokens=...) or start "
                              "a new train.run_dir")
     steps_per_epoch = max(1, len(sampler) // cfg.train.accumulate_grad_batches)
-    callbacks, nodes = [], None
+    callbacks, nodes = ([realign_callback(sampler, resume_state)] if resume_state else []), None
     if cfg.train.profile_steps is not None:  # where a step's time goes (stages/train_profile.py)
         from stages.train_profile import StepProfile
 
@@ -433,7 +434,8 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         # a resume on another number of ranks makes its first epoch another length than the next ones: only then
         # is the loader asked for its length every epoch (each ask is a collective). Validation counts batches
         # across epochs (every train.val_every batches, and after the last one: ValidateAtEnd)
-        reload_dataloaders_every_n_epochs=1 if _world_changed(resume_state, world) else 0, logger=loggers,
+        reload_dataloaders_every_n_epochs=1 if plan_changed(resume_state, world, cfg.train.accumulate_grad_batches)
+        else 0, logger=loggers,
         log_every_n_steps=cfg.train.log_every,
         val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         use_distributed_sampler=False,
