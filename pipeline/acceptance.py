@@ -13,6 +13,8 @@ The rules:
 - `sampling_probs(logits, temperature, top_p, top_k)`: the distribution plain sampling draws from: logits /
   temperature, the top_k best kept (0: all), softmax, then the top-p nucleus (the smallest set of most likely
   tokens whose mass reaches top_p, the first token always kept), renormalised. `draw(p, generator)` samples it.
+- `target_token` (the target's own token: argmax or a draw) and `accept_step` (greedy_accept or verify) are the
+  two rules a decoder applies per step; the drafter's side is pipeline/drafter.py `draft_tokens`.
 - `verify(draft, q, p, generator)`: the speculative-sampling rejection rule. draft = x_1..x_n, q [n, V] the
   distributions they were drawn from (None: a deterministic drafter, q = one-hot on x_i, e.g. DFlash 2's
   selector walk), p [n + 1, V] the target's distributions after [..., last, x_1..x_{i-1}]. Slot i accepts x_i
@@ -60,6 +62,26 @@ def greedy_accept(draft: list[int], target_logits: Tensor) -> tuple[int, int]:
     while n < len(draft) and draft[n] == greedy[n]:
         n += 1
     return n, greedy[n]
+
+
+def target_token(logits: Tensor, probs=None, generator: Optional[torch.Generator] = None) -> int:
+    """The target's own next token from its logits [V]: the argmax (probs None: greedy), else one draw from
+    probs(logits) (a sampling distribution, e.g. `sampling_probs` with the decoder's settings). The online
+    eval's first token and plain decoding (stages/speculate.py), and the export's spec_generate's first token."""
+    if probs is None:
+        return int(logits.argmax())
+    return int(draw(probs(logits), generator))
+
+
+def accept_step(draft: list[int], q: Optional[Tensor], target_logits: Tensor, probs=None,
+                generator: Optional[torch.Generator] = None) -> tuple[int, int]:
+    """THE rule of one verify step, for the online eval (stages/speculate.py) and the export's spec_generate
+    alike: greedy (probs None) `greedy_accept`; sampling `verify(draft, q, probs(target_logits), generator)`,
+    q the distributions the drafts were drawn from (None: a deterministic drafter, pipeline/drafter.py
+    `draft_tokens`). target_logits [n + 1, V] (fp32) -> (accepted drafts n, the token emitted after them)."""
+    if probs is None:
+        return greedy_accept(draft, target_logits)
+    return verify(draft, q, probs(target_logits), generator)
 
 
 def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:

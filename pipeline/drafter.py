@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from .acceptance import draw
 from .masks import FULL, SLIDING, make_attend
 
 Attend = Callable[[Tensor, Tensor, Tensor, str], Tensor]  # (q [B,h,Q,d], k [B,kv,S+Q,d], v, layer_type) -> [B,h,Q,d]
@@ -342,6 +343,25 @@ def draft_hidden(
         sliding_window=arch.sliding_window, seq_lens=seq_lens, is_causal=arch.is_causal, doc_ids=doc_ids,
     )
     return (forward or drafter)(block_embeds, ctx, q_pos, ctx_pos, attend)  # [B, Q, H]
+
+
+def draft_tokens(drafter: nn.Module, hidden: Tensor, head_weight: Tensor, anchor_id: int,
+                 probs: Optional[Callable] = None, generator: Optional[torch.Generator] = None):
+    """THE drafting rule of one speculative step: the online eval's (stages/speculate.py `DFlashDraftFn`) and
+    the export's `spec_generate` (pipeline/modeling_dflash.py, modeling_dflash2.py) are this function.
+
+    hidden [P, H] (the block's slots 1..bs-1, from `draft_hidden`), head_weight [V, H] (the target's lm_head),
+    anchor_id (the verified token the block starts from) -> (draft ids [P] as a list, q [P, V] or None, logits
+    [P, V] = hidden @ head_weight^T in the head's dtype). Greedy (probs None): the drafter's `pick` (DFlash:
+    the argmax; DFlash 2: its selector's walk). Sampling (probs: logits -> distribution): a drafter that
+    `draws_from_logits` draws each slot from q = probs(logits) with `generator`; one that does not (DFlash 2)
+    keeps its pick with q None (one-hot for the rejection rule, pipeline/acceptance.py `accept_step`)."""
+    logits = hidden.to(head_weight.dtype) @ head_weight.t()  # [P, V]
+    if probs is not None and drafter.draws_from_logits:
+        q = probs(logits)
+        return draw(q, generator).tolist(), q, logits
+    anchor = torch.tensor([int(anchor_id)], dtype=torch.long, device=hidden.device)
+    return drafter.pick(hidden[None], logits[None], anchor)[0].tolist(), None, logits
 
 
 # ----------------------------------------------------------------------------------------------------------

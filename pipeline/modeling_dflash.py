@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
-from .acceptance import draw, greedy_accept, sampling_probs, verify
-from .drafter import DFlashDrafter, DrafterArch, RMSNorm, draft_hidden
+from .acceptance import accept_step, sampling_probs, target_token
+from .drafter import DFlashDrafter, DrafterArch, RMSNorm, draft_hidden, draft_tokens
 from .target_cache import RollbackCache
 
 
@@ -55,6 +55,8 @@ class DFlashDraftModel(PreTrainedModel):
             module.weight.data.fill_(1.0)
 
     project_context = DFlashDrafter.project_context
+    pick = DFlashDrafter.pick  # the serving decision: the argmax (DFlash 2's model binds its selector walk)
+    draws_from_logits = DFlashDrafter.draws_from_logits
     drafter_forward = DFlashDrafter.forward  # (block_embeds, ctx, q_pos, ctx_pos, attend) -> [B, Q, H]
 
     def draft_hidden(self, noise_embedding, ctx, q_pos, ctx_pos):
@@ -102,10 +104,13 @@ class DFlashDraftModel(PreTrainedModel):
     def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, mask_token_id: Optional[int] = None,
                       max_new_tokens: int = 2048, stop_token_ids: Optional[list] = None, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, block_size: Optional[int] = None,
-                      return_stats: bool = False):
+                      return_stats: bool = False, generator: Optional[torch.Generator] = None):
         """Speculative decoding of one prompt with `target` (z-lab's signature). Returns output_ids [1, prompt +
         new tokens] (up to and including the first stop token), or with return_stats a SimpleNamespace(output_ids,
-        num_input_tokens, num_output_tokens, acceptance_lengths)."""
+        num_input_tokens, num_output_tokens, acceptance_lengths). Each step drafts and verifies with dflash's
+        online eval's own rules (drafter.py `draft_tokens`, acceptance.py `target_token` / `accept_step`): the
+        same tokens and acceptance lengths as `dflash eval --online` on the same prompt and features. Sampling
+        draws from `generator` (None: torch's default one)."""
         self.eval()
         if mask_token_id is not None and int(mask_token_id) != self.mask_token_id:
             raise ValueError(f"mask_token_id {mask_token_id} differs from the one this drafter was trained with "
@@ -113,6 +118,8 @@ class DFlashDraftModel(PreTrainedModel):
         bs = int(block_size or self.block_size)
         stops = set(int(t) for t in (stop_token_ids or []))
         embed, head = target.get_input_embeddings().weight, target.get_output_embeddings()
+        head = embed if head is None else head.weight
+        probs = None if temperature <= 0 else (lambda x: sampling_probs(x.float(), temperature, top_p, top_k))
         ids = input_ids.to(embed.device)
         P = ids.shape[1]
         cache = RollbackCache(target)
@@ -120,25 +127,20 @@ class DFlashDraftModel(PreTrainedModel):
             out = cache.forward(ids, output_hidden_states=True)
             ctx = self.project_context(self._features(out.hidden_states).to(self.fc.weight.dtype))
             ctx_pos = torch.arange(P, device=ids.device)[None]
-            new = [self._pick(out.logits[0, -1:], temperature, top_p, top_k)[0]]
+            new = [target_token(out.logits[0, -1].float(), probs, generator)]
             accepted = []
             while new[-1] not in stops and len(new) < max_new_tokens:
                 start = P + len(new) - 1  # position of the last token; the target's cache holds start tokens
-                q = min(bs, max_new_tokens - len(new) + 1)
                 block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=ids.device)
                 block[0, 0] = new[-1]
                 q_pos = start + torch.arange(bs, device=ids.device)[None]
                 hidden = draft_hidden(self, block, ctx, q_pos, ctx_pos, embed=embed, dtype=self.fc.weight.dtype,
                                       forward=self.drafter_forward)
-                d_logits = head(hidden[0, 1:q].to(head.weight.dtype)).float()
-                draft = self._pick(d_logits, temperature, top_p, top_k)
+                draft, q, _ = draft_tokens(self, hidden[0, 1:], head, new[-1], probs, generator)
                 out = cache.forward(torch.tensor([[new[-1]] + draft], device=ids.device), output_hidden_states=True)
-                t_logits = out.logits[0].float()
-                if temperature <= 0:  # the longest prefix equal to the target's argmax, then its own token
-                    n, bonus = greedy_accept(draft, t_logits)
-                else:  # the rejection rule (torch's default generator): lossless in distribution
-                    n, bonus = verify(draft, sampling_probs(d_logits, temperature, top_p, top_k),
-                                      sampling_probs(t_logits, temperature, top_p, top_k))
+                # greedy: the longest prefix equal to the target's argmax, then its own token; sampling: the
+                # rejection rule, lossless in distribution
+                n, bonus = accept_step(draft, q, out.logits[0].float(), probs, generator)
                 produced = []
                 for t in draft[:n] + [bonus]:
                     produced.append(t)
@@ -161,10 +163,3 @@ class DFlashDraftModel(PreTrainedModel):
     def _features(self, hidden_states):
         """[1, T, L*H]: the target's hidden_states[k + 1] (output of layer k) for k in target_layer_ids."""
         return torch.cat([hidden_states[k + 1] for k in self.target_layer_ids], dim=-1)
-
-    @staticmethod
-    def _pick(logits, temperature, top_p, top_k) -> list:
-        """logits [n, V] -> n tokens: the argmax at temperature 0, else draws from the sampling distribution."""
-        if temperature <= 0:
-            return logits.argmax(-1).tolist()
-        return draw(sampling_probs(logits, temperature, top_p, top_k)).tolist()

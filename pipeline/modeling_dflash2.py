@@ -6,6 +6,7 @@ target_cache.py).
     hidden = model(noise_embedding, target_hidden, position_ids)      # [B, Q, H], as DFlashDraftModel
     logits = hidden[:, 1:] @ lm_head.T                                   # the target's head
     draft = model.select(hidden[:, 1:], logits, anchor_ids)             # [B, Q-1]: the selector's greedy walk
+    output_ids = model.spec_generate(target=target, input_ids=ids, ...)  # DFlashDraftModel's, drafting with the walk
 """
 
 from transformers import PreTrainedModel
@@ -37,3 +38,5 @@ class DFlash2DraftModel(DFlashDraftModel):
             super()._init_weights(module)
 
     select = DFlash2Drafter.select  # (hidden [N, P, H], logits [N, P, V], anchor_ids [N]) -> draft ids [N, P]
+    pick = DFlash2Drafter.pick  # the serving decision spec_generate drafts with (drafter.py `draft_tokens`): the walk
+    draws_from_logits = DFlash2Drafter.draws_from_logits  # False: sampling keeps the walk, q one-hot

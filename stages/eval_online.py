@@ -221,7 +221,7 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
                                "logit_margin": _margin(model, ids + g.tokens[:first], g.tokens, s.tokens, first)})
         per_prompt.append({"sample_id": sid, "prompt_tokens": len(ids), "new_tokens": len(g.tokens),
                            "verify_steps": len(s.steps), "tau": round(mean_length(s.steps), 4),
-                           "identical": same})
+                           "identical": same, "tokens": s.tokens, "acceptance_lengths": s.steps})
     result = {
         "target": cfg.target.path,
         "device": str(device),

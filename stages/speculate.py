@@ -39,8 +39,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from pipeline.acceptance import draw, greedy_accept, verify
-from pipeline.drafter import draft_hidden
+from pipeline.acceptance import accept_step, draw, target_token
+from pipeline.drafter import draft_hidden, draft_tokens
 from pipeline.encoding import decode, encode
 from pipeline.target import FeatureCapture
 from stages.sampling import Sampling
@@ -125,9 +125,9 @@ def _sync(device: torch.device) -> None:
 def _picker(runner: TargetRunner, sampling: Optional[Sampling], generator: Optional[torch.Generator]):
     """(logits [V] -> next token, the generator): argmax when greedy, else a draw from sampling.probs."""
     if sampling is None or sampling.greedy:
-        return (lambda logits: int(logits.argmax())), None
+        return (lambda logits: target_token(logits)), None
     gen = generator if generator is not None else sampling.generator(runner.device)
-    return (lambda logits: int(draw(sampling.probs(logits), gen))), gen
+    return (lambda logits: target_token(logits, sampling.probs, gen)), gen
 
 
 @torch.inference_mode()
@@ -177,16 +177,19 @@ def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int
             pos = P + len(out) - 1  # position of the last verified token; its features do not exist yet
             context = torch.cat(ctx) if len(ctx) > 1 else ctx[0]
             ctx = [context]
-            draft = [int(t) for t in draft_fn(context, pos, out[-1])][: block_size - 1]
-            q = None
-            if gen is not None:
-                draft, q = _sampled_draft(draft_fn, draft, sampling, gen)
+            probs = None if gen is None else sampling.probs
+            if gen is not None and isinstance(draft_fn, DFlashDraftFn):  # the drafting rule draws (draft_tokens)
+                draft, q = draft_fn(context, pos, out[-1], probs, gen)[: block_size - 1], draft_fn.q
+            else:
+                draft = [int(t) for t in draft_fn(context, pos, out[-1])][: block_size - 1]
+                q = None
+                if gen is not None:
+                    draft, q = _sampled_draft(draft_fn, draft, sampling, gen)
             logits = runner.extend([out[-1]] + draft)  # [1 + len(draft), V]: ONE verify forward
             forwards += 1
-            if gen is None:  # the longest prefix equal to the target's argmax, then its own next token
-                n, nxt = greedy_accept(draft, logits)
-            else:  # the rejection rule: accepted drafts, then a residual draw or the bonus token
-                n, nxt = verify(draft, q, sampling.probs(logits), gen)
+            # greedy: the longest prefix equal to the target's argmax, then its own next token; sampling: the
+            # rejection rule (accepted drafts, then a residual draw or the bonus token)
+            n, nxt = accept_step(draft, q, logits, probs, gen)
             produced = []
             for t in draft[:n] + [nxt]:
                 produced.append(t)
@@ -204,8 +207,9 @@ def speculative_decode(runner: TargetRunner, draft_fn: DraftFn, prompt: list[int
 
 
 def _sampled_draft(draft_fn, draft: list[int], sampling: Sampling, gen: torch.Generator) -> tuple:
-    """(draft tokens drawn from the drafter's q, q [n, V]) when the draft_fn exposes its logits; else the
-    draft_fn's own tokens with q one-hot (None), which the rejection rule handles as a deterministic drafter."""
+    """A plugged-in draft_fn (tests' oracles; DFlashDraftFn draws through `draft_tokens` itself): (draft tokens
+    drawn from its q, q [n, V]) when it exposes its logits; else its own tokens with q one-hot (None), which the
+    rejection rule handles as a deterministic drafter."""
     logits = getattr(draft_fn, "logits", None)
     if logits is None or not draft:
         return draft, None
@@ -220,8 +224,9 @@ class DFlashDraftFn:
     the projected context hidden_norm(fc(features)) is per position, so it is cached and only the verified
     tokens' new rows are projected each step (for a 27B target, re-projecting 5x5120 features of thousands
     of positions every step would cost as much as the verify forward). `reset()` starts a new sequence.
-    `logits` [bs-1, V] holds the last call's logits (None for DFlash 2, whose selector is deterministic): the
-    sampling decoder draws its draft tokens from them.
+    `logits` [bs-1, V] holds the last call's logits (None for DFlash 2, whose selector is deterministic), `q`
+    the distributions its sampled drafts were drawn from (None: greedy, or DFlash 2). The tokens come from
+    `pipeline.drafter.draft_tokens`, the drafting rule the export's spec_generate runs too.
     """
 
     def __init__(self, drafter: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor):
@@ -230,12 +235,14 @@ class DFlashDraftFn:
         self.dtype = next(drafter.parameters()).dtype
         self.ctx: Optional[Tensor] = None  # [1, n, H]
         self.logits: Optional[Tensor] = None  # [bs-1, V] of the last call
+        self.q: Optional[Tensor] = None  # [bs-1, V]: what the last sampled draft was drawn from
 
     def reset(self) -> None:
         self.ctx = None
 
     @torch.no_grad()
-    def __call__(self, context: Tensor, pos: int, last_id: int) -> list:
+    def __call__(self, context: Tensor, pos: int, last_id: int, probs: Optional[Callable] = None,
+                 generator: Optional[torch.Generator] = None) -> list:
         arch, bs, dev = self.arch, self.arch.block_size, context.device
         have = 0 if self.ctx is None else self.ctx.shape[1]
         if context.shape[0] != pos or pos < have:
@@ -250,10 +257,10 @@ class DFlashDraftFn:
         ctx_pos = torch.arange(pos, device=dev).view(1, pos)
         h = draft_hidden(self.drafter, ids, self.ctx, q_pos, ctx_pos, embed=self.embed,
                          dtype=self.dtype)[0, 1:]  # [bs-1, H]: one block after the pos context positions
-        logits = h.to(self.head.dtype) @ self.head.t()  # [bs-1, V]
+        # the argmax, DFlash 2's selector walk through the top-K from the verified token, or draws from q
+        draft, self.q, logits = draft_tokens(self.drafter, h, self.head, last_id, probs, generator)
         self.logits = logits if self.drafter.draws_from_logits else None
-        # the argmax, or DFlash 2's selector walk through the top-K from the verified token
-        return self.drafter.pick(h[None], logits[None], ids[0, :1])[0].tolist()
+        return draft
 
 
 def dflash_draft_fn(drafter: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor) -> DFlashDraftFn:
