@@ -18,6 +18,7 @@ from pipeline.target import FeatureCapture, capture_features, load_target, trunc
 from stages.extract_loop import pipelined_extract, token_rows
 
 ROOT = Path(__file__).resolve().parent.parent
+HANG_S = 3600  # only a guard against a hang (tests/helpers_cli.py)
 TINY = str(ROOT / "configs" / "tiny.yaml")
 LAYERS = [1, 3, 5]
 
@@ -79,16 +80,38 @@ def test_an_unpadded_batch_without_a_mask_gives_the_same_features(tiny):
     torch.testing.assert_close(capture_features(tiny, cap, ids, None), capture_features(tiny, cap, ids, torch.ones_like(ids)))
 
 
-def test_waits_for_a_slow_writer_are_counted(tiny):
+def test_waits_for_a_slow_writer_are_counted(tiny, monkeypatch):
+    """The writer holds its first batch until the loop is blocked putting into the full queue, then 0.3 s more:
+    that wait is the loop's, whatever the machine's load (a plain slow writer lost the race to a slow forward on
+    a busy machine, and the queue never filled)."""
+    import queue
+    import threading
+    import types
+
+    import stages.extract_loop as loop
+
+    blocked = threading.Event()
+
+    class Watched(queue.Queue):
+        def put(self, item, block=True, timeout=None):
+            if self.full():
+                blocked.set()  # the loop is about to wait for the writer
+            super().put(item, block, timeout)
+
+    monkeypatch.setattr(loop, "queue", types.SimpleNamespace(Queue=Watched))
     batches = _batches(tiny.config.vocab_size) * 2
+    held = []
 
     def slow(meta, parts, bad):
+        if not held:
+            assert blocked.wait(timeout=HANG_S), "the loop never filled the queue"
+        held.append(1)
         time.sleep(0.3)
 
     stats = pipelined_extract(tiny, FeatureCapture(tiny, LAYERS), "fp8", torch.device("cpu"), iter(batches), slow,
                               queue_depth=1)
-    # 6 batches, one slot: the forward waits for the writer on most of them
-    assert stats.batches == 6 and stats.writer_busy_s >= 6 * 0.3 and stats.queue_wait_s > 0.5
+    assert stats.batches == 6 and len(held) == 6 and stats.writer_busy_s >= 6 * 0.3
+    assert stats.queue_wait_s >= 0.3  # at least the writer's hold after the loop blocked
     assert stats.wall_s >= stats.writer_busy_s
 
 
