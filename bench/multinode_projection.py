@@ -1,4 +1,4 @@
-"""The README's multi-node time table (issue 32): a projection, not a measurement.
+"""The multi-node time table of docs/guides/multi-node.md (issue 32): a projection, not a measurement.
 
 Inputs (docs/benchmarks.md): extraction 8,977 tokens/s per H200 (the 27B hybrid layout with flash-linear-attention,
 the rate `dflash extract --plan` uses); training 12,245 tokens/s on one H200 at the 27B-shape drafter (batch 1 x
