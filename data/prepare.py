@@ -67,7 +67,7 @@ def iter_rows(path: str | Path, splits: Optional[list[str]] = None) -> Iterator[
             raise PrepareError(f"{path} is a directory with neither a saved dataset nor *.parquet files in it")
         for f in files:
             yield from _parquet_rows(f)
-    elif _starts_with_array(path):
+    elif path.suffix == ".json" and _starts_with_array(path):
         yield from _json_array_rows(path)
     else:
         for line_no, row in _iter_jsonl(path, MAX_LINE_BYTES):

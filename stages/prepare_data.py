@@ -134,6 +134,10 @@ def run_prepare_data(inputs: list[str], *, out: str = DEFAULT_OUT,
         raise PrepareError("--response-col needs --prompt-col (the column of the user turn)")
     out_dir = Path(out)
     _check_paths(inputs, out_dir)
+    for f in inputs:  # all of them before any work, so a typo in the last one costs nothing
+        if not Path(f).exists():
+            raise PrepareError(f"input {f} does not exist; pass a JSON/JSONL file, a parquet file or directory, or "
+                               "a datasets directory written by save_to_disk")
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = {split: out_dir / f"{split}.jsonl.partial" for split in ("train", "validation")}
     writers = {split: open(p, "w", encoding="utf-8") for split, p in partial.items()}

@@ -45,19 +45,20 @@ def test_sharegpt_jsonl_and_json_array_with_bad_rows_counted(tmp_path, capsys):
         {"conversations": [{"from": "human", "value": "  "}]}, {"conversations": [{"from": "gpt", "value": "only"}]},
         {"conversations": [{"from": "human", "value": "bad \ud800 text"}]}, [1, 2], {"text": "no layout"},
         good])  # the last one is a duplicate
+    jsonl.write_text("[1, 2]\n" + jsonl.read_text())  # a JSONL file starting with an array row: still one bad row
     array = tmp_path / "share.json"
     array.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"q{k}"}, {"from": "gpt", "value": "a"}]}
                                  for k in range(30)]))
     assert run_prepare_data([str(jsonl), str(array)], out=str(tmp_path / "out"), validation_fraction=0.2) == 0
     train, val, rec = _read(tmp_path / "out")
-    assert len(train) + len(val) == 31 and rec["rows_read"] == 39 and rec["duplicates"] == 1
+    assert len(train) + len(val) == 31 and rec["rows_read"] == 40 and rec["duplicates"] == 1
     assert rec["skipped"] == {"invalid JSON": 1, "unknown role": 1, "empty content": 1, "no user turn": 1,
-                              "invalid text": 1, "not an object": 1, "unknown layout": 1}
-    assert rec["first_bad_row"]["invalid JSON"].startswith(f"{jsonl}, line 2: invalid JSON")
+                              "invalid text": 1, "not an object": 2, "unknown layout": 1}
+    assert rec["first_bad_row"]["invalid JSON"].startswith(f"{jsonl}, line 3: invalid JSON")
     first = _user("Hi?", "Hello.") + [{"role": "user", "content": "Bye?"}]
     assert [{"role": "system", "content": "Be brief."}] + first in train + val
     err = capsys.readouterr().err
-    assert "39 rows read from 2 input(s) -> 31 conversations" in err and "skipped 7 bad rows" in err
+    assert "40 rows read from 2 input(s) -> 31 conversations" in err and "skipped 8 bad rows" in err
     assert "first unknown role: " in err and "dflash regenerate" in err
 
 
@@ -178,9 +179,10 @@ def test_cli_writes_the_files_the_27b_configs_name_and_refuses_in_one_line(tmp_p
         data = load_config(ROOT / "configs" / name).data
         assert [Path(p).name for p in (*data.train_files, *data.validation_files)] == regen
         assert all(Path(p).parent.name == "regen" for p in (*data.train_files, *data.validation_files))
-    bad = dflash("prepare-data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"), check=False)
+    bad = dflash("prepare-data", str(src), str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"), check=False)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert bad.stderr.startswith(f"error: input {tmp_path / 'missing.jsonl'} does not exist")
+    assert not (tmp_path / "o").exists()  # refused before any work
     none = dflash("prepare-data", str(_jsonl(tmp_path / "junk.jsonl", ["x", "[1]"])), "--out", str(tmp_path / "j"),
                   check=False)
     assert none.returncode == 2 and "no usable conversation" in none.stderr and "invalid JSON 1" in none.stderr
