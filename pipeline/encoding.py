@@ -27,6 +27,9 @@ Contract:
   Parts may carry any leading dims ([T, ...] or [B, S, ...]).
 - `parts_spec(encoding, L, H)` gives each part's per-token shape and numpy storage dtype; `to_storage` /
   `from_storage` convert between torch parts and the numpy arrays the store holds (uint16 for bf16 bits).
+- `compression_factor(encoding, H)`: the measured store bytes / raw bytes of an encoding's parts (blosc),
+  which `dflash extract --plan` sizes a store with; None for an encoding not measured yet (the plan then
+  assumes raw size and says so). A new encoding adds its factors to `COMPRESSION` beside its parts.
 """
 
 from __future__ import annotations
@@ -45,6 +48,31 @@ MIXED = {"int4+int8last": ("int4", "int8"), "int5+int8last": ("int5", "int8")}
 LAST = "last_"  # prefix of the deepest layer's parts in a mixed encoding
 ENCODINGS = ("bf16", "fp8", *INT_BITS, *MIXED)
 _FP16_MAX, _FP16_TINY = 65504.0, 2.0**-24
+# store bytes of the feature parts / their raw bytes, blosc zstd-1 + byte shuffle (the default store.clevel)
+COMPRESSION = {
+    # "tiny": the tiny target (hidden 128, 3 layers): 240 tiny-chat samples (13,879 tokens) extracted in bf16
+    # on CPU (2 shards) and `dflash recode`d to every encoding; (all files of the store - frozen head - ids,
+    # masks and sample index) / (tokens x raw feature bytes), so zarr's metadata is in it (2026-11-30)
+    "tiny": {"bf16": 0.773, "fp8": 0.860, "int8": 0.915, "int6": 0.884, "int5": 0.866, "int4": 0.843,
+             "int4+int8last": 0.865, "int5+int8last": 0.876},
+    # "large": 27B-shaped activations (5 x 5120, log-normal channel scales, massive-activation channels);
+    # `python bench/codec_bench.py --tokens 4096`, docs/benchmarks.md "Feature encodings" (B/value / raw B/value).
+    # Extraction from a random-initialised 27B measured 0.787 (bf16), 0.907 (fp8), 0.965 (int5), 0.958 (int4):
+    # these are the larger (safer) of the two where both exist.
+    "large": {"bf16": 0.799, "fp8": 0.989, "int8": 0.984, "int6": 0.971, "int5": 0.966, "int4": 0.960,
+              "int4+int8last": 0.968, "int5+int8last": 0.972},
+}
+LARGE_HIDDEN = 1024  # targets at least this wide use the "large" factors
+
+
+def size_class(hidden_size: int) -> str:
+    """Which row of COMPRESSION a target of this width takes."""
+    return "large" if hidden_size >= LARGE_HIDDEN else "tiny"
+
+
+def compression_factor(encoding: str, hidden_size: int) -> float | None:
+    """The measured compression factor of `encoding` for a target this wide, or None when it was not measured."""
+    return COMPRESSION[size_class(hidden_size)].get(encoding)
 
 
 def check(encoding: str, hidden_size: int) -> None:

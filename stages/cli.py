@@ -235,13 +235,15 @@ def train(config_path, overrides, gpus, no_export, **options):
 @main.command("run")
 @config_option
 @set_option
+@click.option("--plan", is_flag=True, help="Only print what the run would take (store size, disk, the hours of the split, "
+              "the split with expansion and both stages on all GPUs one after the other) and exit, writing nothing.")
 @click.option("--extract-gpus", default="", help="GPUs for extraction, one shard each, e.g. 0-4 (empty: CPU workers, "
               "extract.shards of them).")
 @click.option("--train-gpus", default="", help="GPUs for the training ranks, e.g. 5-7 (empty: CPU processes).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Without --train-gpus: number of CPU training processes.")
 @click.option("--store", default=None, help="Store path or URL (default: store.path).")
-def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
+def run_(config_path, overrides, extract_gpus, train_gpus, devices, store, plan):
     """Both stages on one node at once: extract on some GPUs while training follows the growing store on others.
 
     One progress view, one Ctrl-C stops both cleanly, and the same command resumes both (extraction from its
@@ -250,6 +252,10 @@ def run_(config_path, overrides, extract_gpus, train_gpus, devices, store):
     from stages.run import run_node
 
     cfg = _load(config_path, overrides)
+    if plan:  # before any child starts; the GPU lists only count (the plan may be made on another machine)
+        from stages.plan import run_node_plan
+
+        _run(run_node_plan, cfg, store=store, extract_gpus=extract_gpus, train_gpus=train_gpus, devices=devices)
     _run(run_node, cfg, config_path=config_path, overrides=list(overrides), extract_gpus=extract_gpus,
          train_gpus=train_gpus, devices=devices, store=store, command=_command_line())
 

@@ -11,17 +11,26 @@ Contract:
   extraction's dtype). Feature bytes per token follow from the encoding's parts (pipeline/encoding.py,
   `raw_bytes_per_token`): layers x hidden x bits, plus scales and outliers. The compression factor (store
   bytes / raw bytes of the feature parts, blosc zstd-1 + byte shuffle) is a measured constant per encoding
-  and size class, `COMPRESSION` below: lossy encodings barely compress (their codes are near random), bf16
-  does by ~1.25x, and how much depends on the activations (a real 27B's may differ from the data measured).
+  and size class, the encoding module's (pipeline/encoding.py `COMPRESSION`, so a new encoding cannot leave
+  this table behind; one without a measured factor is sized raw, and the output says so): lossy encodings
+  barely compress (their codes are near random), bf16 does by ~1.25x, and how much depends on the activations
+  (a real 27B's may differ from the data measured).
 - Time = tokens / (rate per GPU x GPUs). The only measured rate of the real target class is the Qwen3.5/
   3.6-27B hybrid's on one H200 with flash-linear-attention (RATE_27B_H200); another target's is scaled by
   weight bytes (a forward's FLOPs follow its parameters), which for small targets is only a lower bound on
-  the time (they are bound by per-batch overheads, not FLOPs); the output says which it used.
+  the time (they are bound by per-batch overheads, not FLOPs); the output says which it used. On a machine
+  without a GPU the built-in H200 rates are used all the same, and the output says so.
 - Training time (the 27B drafter shape only, the one measured: TRAIN_STEP_MS_27B, one H200, compiled flex):
   train.epochs x the time of every row. Unpacked a row is one sample, its time interpolated by its length (a
   short sample costs far more per token: 61 ms for 512 tokens, 240 ms for 3,072); with train.packing the rows
   are data/packing.py's plan of the real train lengths, each timed as a full row of its tokens, so the estimate
   follows tokens rather than samples. Divided by the GPUs (DDP); the output says what it assumed.
+- Schedules (issue 41 item 4), from those rates, E extraction GPUs, T training GPUs, N = E + T: the split
+  (training follows the store on T: its first epoch cannot end before extraction does), the split with
+  expansion (`dflash run`'s default: what T trained while extraction ran, then the rest on all N), and one
+  stage after the other on all N (`schedules`). `dflash run --plan` takes E and T from its GPU lists (or its CPU
+  shards and --devices); `dflash extract --plan` from its shards and the node: this machine's GPUs, or 8
+  H200s where it has none.
 """
 
 from __future__ import annotations
@@ -35,24 +44,9 @@ from typing import Optional
 
 from pipeline import store as st
 from pipeline.config import Config
+from pipeline.encoding import LARGE_HIDDEN, compression_factor, raw_bytes_per_token, size_class
 from pipeline.encoding import check as check_encoding
-from pipeline.encoding import raw_bytes_per_token
 
-# store bytes of the feature parts / their raw bytes, blosc zstd-1 + byte shuffle (the default store.clevel)
-COMPRESSION = {
-    # "tiny": the tiny target (hidden 128, 3 layers): 240 tiny-chat samples (13,879 tokens) extracted in bf16
-    # on CPU (2 shards) and `dflash recode`d to every encoding; (all files of the store - frozen head - ids,
-    # masks and sample index) / (tokens x raw feature bytes), so zarr's metadata is in it (2026-11-30)
-    "tiny": {"bf16": 0.773, "fp8": 0.860, "int8": 0.915, "int6": 0.884, "int5": 0.866, "int4": 0.843,
-             "int4+int8last": 0.865, "int5+int8last": 0.876},
-    # "large": 27B-shaped activations (5 x 5120, log-normal channel scales, massive-activation channels);
-    # `python bench/codec_bench.py --tokens 4096`, docs/benchmarks.md "Feature encodings" (B/value / raw B/value).
-    # Extraction from a random-initialised 27B measured 0.787 (bf16), 0.907 (fp8), 0.965 (int5), 0.958 (int4):
-    # these are the larger (safer) of the two where both exist.
-    "large": {"bf16": 0.799, "fp8": 0.989, "int8": 0.984, "int6": 0.971, "int5": 0.966, "int4": 0.960,
-              "int4+int8last": 0.968, "int5+int8last": 0.972},
-}
-LARGE_HIDDEN = 1024  # targets at least this wide use the "large" factors
 TOKEN_BYTES = 5  # tokens int32 + loss_mask uint8, per token (pipeline/store.py)
 SAMPLE_BYTES = 21  # sample_start int64 + sample_length int32 + sample_id uint64 + split uint8, per sample
 # tokens/s per H200 extracting the Qwen3.5/3.6-27B hybrid (layers up to 61 of 64, flash-linear-attention 0.6):
@@ -64,6 +58,7 @@ RATE_27B_H200 = 11398
 RATE_27B_H200_REFERENCE = 8977
 RATE_27B_H200_NO_FLA = 6413
 WEIGHT_BYTES_27B = 27e9 * 2  # bf16 weights of the 27B class, the reference for scaling by size
+NODE_GPUS_NO_GPU = 8  # `dflash extract --plan` on a machine without a GPU: the node assumed (8 x H200)
 
 
 @dataclass
@@ -80,8 +75,12 @@ class Plan:
     free_at: str
     seconds: Optional[float]
     rate_note: str
-    train_seconds: Optional[float] = None
+    train_seconds: Optional[float] = None  # on train_gpus
     train_note: str = ""
+    extract_gpus: int = 1
+    train_gpus: int = 1
+    schedules: Optional[dict] = None  # name -> seconds (`schedules`), None without a training rate
+    train_where: str = ""  # where the training GPUs come from, when the command does not name them
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -114,11 +113,9 @@ def free_disk(store_path: str) -> tuple[Optional[int], str]:
 
 def estimate_time(tokens: int, gpus: int, weight_bytes: Optional[float], cuda: bool,
                   fast_forward: bool = True) -> tuple[Optional[float], str]:
-    if not cuda:
-        return None, ("no CUDA GPU here: extraction would run on the CPU, where no rate is measured for a large "
-                      "target (the tiny target ran at ~1,000 tokens/s on 2 shards of a 2-core machine)")
     rate = RATE_27B_H200 if fast_forward else RATE_27B_H200_REFERENCE
-    src = (f"{rate:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention and "
+    src = (("no GPU here, so the built-in H200 rates: " if not cuda else "")
+           + f"{rate:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention and "
            + ("dflash's fast forward (measured 2026-12-02" if fast_forward else
               "transformers' forward (extract.fast_forward off; measured 2026-11-30")
            + f"; {RATE_27B_H200_NO_FLA:,} on torch fallbacks)")
@@ -169,7 +166,37 @@ def estimate_training(cfg: Config, train_lengths: list[int], gpus: int) -> tuple
     return ms / 1000 / max(1, gpus), note
 
 
-def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr) -> Plan:
+def schedules(extract_gpu_s: float, train_gpu_s: float, epochs: int, E: int, T: int) -> dict:
+    """Seconds of the three schedules: `extract_gpu_s` and `train_gpu_s` are the stages' work on one GPU (both
+    scale by GPUs), E extraction and T training GPUs (see the module docstring).
+    - split: training follows on T; its first epoch ends no sooner than extraction (x), the other epochs after it;
+    - expand: by x the T GPUs trained what they could (T x, at most the first epoch), the rest on all E + T;
+    - sequential: extraction on all E + T, then training on all of them."""
+    N, x = E + T, extract_gpu_s / E
+    later = train_gpu_s * (epochs - 1) / max(1, epochs)
+    split = max(train_gpu_s / T, x + later / T) if T else float("inf")
+    done = min(T * x, train_gpu_s - later)  # the first epoch is all there is to train while the store grows
+    return {"split": split, "expand": x + (train_gpu_s - done) / N, "sequential": (extract_gpu_s + train_gpu_s) / N}
+
+
+def _training_gpus(shards: int, train_gpus: Optional[int], cuda: bool) -> tuple[int, int, str]:
+    """(training GPUs, of them beside extraction, where they come from): the command's, or for `dflash extract
+    --plan` (None) the rest of the node (this machine's GPUs, or NODE_GPUS_NO_GPU H200s), else, when extraction
+    takes the whole node, its own GPUs after it."""
+    if train_gpus is not None:
+        return train_gpus, train_gpus, ""
+    import torch
+
+    node = torch.cuda.device_count() if cuda else NODE_GPUS_NO_GPU
+    where = f"{node} GPU(s) here" if cuda else f"{node} x H200 assumed: no GPU here"
+    if node > shards:
+        return node - shards, node - shards, f" (the rest of the node: {where})"
+    return shards, 0, f" (after extraction, on its GPUs: the node has no other; {where})"
+
+
+def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr, train_gpus: Optional[int] = None) -> Plan:
+    """The plan for `shards` extraction GPUs working at once and `train_gpus` training GPUs beside them (None:
+    `dflash extract --plan`'s node: this machine's GPUs, or NODE_GPUS_NO_GPU, less the extraction's)."""
     from data.ingest import ingest
     from pipeline.target import DTYPES, load_tokenizer, resolve_layer_ids
 
@@ -196,8 +223,10 @@ def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr) -> Plan
             train_lengths.append(len(s.input_ids))
     tokens = sum(t.values())
     raw = raw_bytes_per_token(enc, len(ids), H)
-    size = "large" if H >= LARGE_HIDDEN else "tiny"
-    factor = COMPRESSION[size][enc]
+    size = size_class(H)
+    factor = compression_factor(enc, H)
+    measured = factor is not None
+    factor = factor if measured else 1.0  # an encoding not measured yet: its raw size (lossy codes barely compress)
     cuda = torch.cuda.is_available()
     dtype_bytes = torch.empty(0, dtype=DTYPES[cfg.target.dtype if cuda else cfg.target.cpu_dtype]).element_size()
     head = head_bytes(meta, dtype_bytes)
@@ -206,9 +235,16 @@ def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr) -> Plan
     weights = sum(f.stat().st_size for f in d.glob("*.safetensors")) or None
     seconds, note = estimate_time(tokens, shards, weights, cuda, cfg.extract.fast_forward)
     where = ("the tiny target's features" if size == "tiny" else "27B-shaped synthetic activations") + \
-        f" ({'hidden < ' if size == 'tiny' else 'hidden >= '}{LARGE_HIDDEN}; stages/plan.py COMPRESSION)"
-    train_seconds, train_note = estimate_training(cfg, train_lengths, shards)
-    return Plan(n, t, raw * factor, raw, factor, where, head, total, free, at, seconds, note, train_seconds, train_note)
+        f" ({'hidden < ' if size == 'tiny' else 'hidden >= '}{LARGE_HIDDEN}; pipeline/encoding.py COMPRESSION)"
+    if not measured:
+        where = f"nothing: no factor measured for {enc} yet (pipeline/encoding.py COMPRESSION), so its raw size"
+    train_gpus, beside, train_where = _training_gpus(shards, train_gpus, cuda)
+    train_seconds, train_note = estimate_training(cfg, train_lengths, train_gpus)
+    plan = Plan(n, t, raw * factor, raw, factor, where, head, total, free, at, seconds, note, train_seconds,
+                train_note, shards, train_gpus, train_where=train_where)
+    if train_seconds is not None and seconds is not None:
+        plan.schedules = schedules(seconds * shards, train_seconds * train_gpus, cfg.train.epochs, shards, beside)
+    return plan
 
 
 def _gb(x: float) -> str:
@@ -219,16 +255,39 @@ def _duration(s: float) -> str:
     return f"{s / 3600:.1f} h" if s >= 3600 else (f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s")
 
 
-def run_plan(cfg: Config, *, store: Optional[str] = None, shards: Optional[int] = None, shard_index=None) -> int:
+def _say_schedules(p: Plan, say) -> None:
+    E, T = p.extract_gpus, p.train_gpus
+    if p.schedules is None:
+        say("plan: schedules: n/a (they need both rates above)")
+        return
+    s = p.schedules
+    beside = s["split"] != float("inf")
+    N = E + T if beside else E
+    say(f"plan: schedules on {N} GPU(s), from the rates above (the handover of an expansion, about a minute, "
+        "not counted):")
+    if beside:
+        say(f"plan:   split, extraction on {E} and training on {T} (following the store): about "
+            f"{_duration(s['split'])}")
+    else:
+        say(f"plan:   split: n/a (extraction takes all {E} GPUs: none is left to train beside it)")
+    if beside:
+        say(f"plan:   split with expansion, training on all {N} once extraction ends (`dflash run`'s default): "
+            f"about {_duration(s['expand'])}")
+    say(f"plan:   one stage after the other, extraction then training on all {N}: about {_duration(s['sequential'])}")
+
+
+def run_plan(cfg: Config, *, store: Optional[str] = None, shards: Optional[int] = None, shard_index=None,
+             train_gpus: Optional[int] = None, command: str = "extract") -> int:
     """Print the plan (stdout) and write nothing. `shards`: the GPUs working at once (one shard per GPU);
-    `shard_index`: the shards of this call (one node's: `--shard-index 0-4`), which work at once."""
+    `shard_index`: the shards of this call (one node's: `--shard-index 0-4`), which work at once; `train_gpus`:
+    the training ranks of `dflash run` (None for `dflash extract`: the rest of the node, see `make_plan`)."""
     from stages.extract import parse_shard_set
 
     store_path = store or cfg.store.path
     num_shards = cfg.extract.shards if shards is None else shards
     shard_set = parse_shard_set(shard_index, num_shards)
     gpus = len(shard_set) if shard_set is not None else num_shards
-    p = make_plan(cfg, store_path, gpus)
+    p = make_plan(cfg, store_path, gpus, train_gpus=train_gpus)
     say = print
     say(f"plan: {p.samples['train']:,} train samples ({p.tokens['train']:,} tokens), {p.samples['validation']:,} "
         f"validation samples ({p.tokens['validation']:,} tokens) after ingest")
@@ -249,9 +308,20 @@ def run_plan(cfg: Config, *, store: Optional[str] = None, shards: Optional[int] 
     if p.train_seconds is None:
         say(f"plan: training time: {p.train_note}")
     else:
-        say(f"plan: training time on {gpus} GPU(s): about {_duration(p.train_seconds)}, {p.train_note}")
+        say(f"plan: training time on {p.train_gpus} GPU(s){p.train_where}: about {_duration(p.train_seconds)}, {p.train_note}")
+    _say_schedules(p, say)
     if st.exists(store_path):
         say(f"plan: {store_path} exists: a rerun writes only what its shards have not committed (this plan counts "
             "the whole store)")
-    say("plan: nothing was written; run the same command without --plan to extract")
+    say(f"plan: nothing was written; run the same command without --plan to {command}")
     return 0
+
+
+def run_node_plan(cfg: Config, *, store: Optional[str], extract_gpus: str, train_gpus: str,
+                  devices: Optional[int]) -> int:
+    """`dflash run --plan`: the plan for its GPU lists (empty: its CPU shards, extract.shards, and --devices
+    training processes), with the training count the command would really use."""
+    from stages.run import parse_gpus
+
+    ex, tr = parse_gpus(extract_gpus), parse_gpus(train_gpus)
+    return run_plan(cfg, store=store, shards=len(ex) or None, train_gpus=len(tr) or devices or 1, command="run")
