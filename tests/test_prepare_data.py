@@ -4,6 +4,7 @@ files written here, bad rows counted by reason, the split, and the files the 27B
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -186,3 +187,30 @@ def test_cli_writes_the_files_the_27b_configs_name_and_refuses_in_one_line(tmp_p
     none = dflash("prepare-data", str(_jsonl(tmp_path / "junk.jsonl", ["x", "[1]"])), "--out", str(tmp_path / "j"),
                   check=False)
     assert none.returncode == 2 and "no usable conversation" in none.stderr and "invalid JSON 1" in none.stderr
+
+
+@pytest.mark.slow
+def test_the_readme_data_path_reaches_a_plan_with_the_files_the_commands_write(tmp_path):
+    """README step 1 then 2 on the tiny target: prepare-data -> regenerate (the README's --prompts pair) ->
+    extract --plan reading data/regen/{train,validation}.jsonl, every file made by the project's own commands."""
+    from helpers_cli import TINY, dflash as dflash_subprocess
+
+    rows = [json.loads(x) for x in (ROOT / "data/assets/tiny-chat/train.jsonl").read_text().splitlines()[:20]]
+    share = [{"conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                                for m in r["messages"]]} for r in rows]
+    src = tmp_path / "chats.json"
+    src.write_text(json.dumps(share))  # a ShareGPT array dump
+    prompts, regen = tmp_path / "data" / "prompts", tmp_path / "data" / "regen"
+    run_prepare_data([str(src)], out=str(prompts), validation_fraction=0.1)
+    n_train, n_val = (len((prompts / f"{s}.jsonl").read_text().splitlines()) for s in ("train", "validation"))
+    assert n_train + n_val == 20 and n_val >= 1
+    dflash_subprocess("regenerate", "--config", TINY, "--out", str(regen), "--prompts",
+                      f"{prompts / 'train.jsonl'},{prompts / 'validation.jsonl'}",
+                      "--set", "regenerate.max_batch_size=8", "--set", "regenerate.max_new_tokens=48")
+    assert sorted(p.name for p in regen.glob("*.jsonl")) == ["train.jsonl", "validation.jsonl"]
+    plan = dflash_subprocess("extract", "--config", TINY, "--store", str(tmp_path / "s.zarr"), "--plan",
+                             "--set", f"data.train_files=[{regen / 'train.jsonl'}]",
+                             "--set", f"data.validation_files=[{regen / 'validation.jsonl'}]")
+    assert re.search(rf"plan: {n_train} train samples \([0-9,]+ tokens\), {n_val} validation samples", plan.stdout), \
+        plan.stdout
+    assert not (tmp_path / "s.zarr").exists()
