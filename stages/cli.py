@@ -243,7 +243,9 @@ def train(config_path, overrides, gpus, no_export, **options):
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Without --train-gpus: number of CPU training processes.")
 @click.option("--store", default=None, help="Store path or URL (default: store.path).")
-def run_(config_path, overrides, extract_gpus, train_gpus, devices, store, plan):
+@click.option("--no-expand", is_flag=True, help="Keep training on --train-gpus after extraction ends (default: it "
+              "checkpoints and resumes on the extraction's GPUs too).")
+def run_(config_path, overrides, extract_gpus, train_gpus, devices, store, plan, no_expand):
     """Both stages on one node at once: extract on some GPUs while training follows the growing store on others.
 
     One progress view, one Ctrl-C stops both cleanly, and the same command resumes both (extraction from its
@@ -257,7 +259,7 @@ def run_(config_path, overrides, extract_gpus, train_gpus, devices, store, plan)
 
         _run(run_node_plan, cfg, store=store, extract_gpus=extract_gpus, train_gpus=train_gpus, devices=devices)
     _run(run_node, cfg, config_path=config_path, overrides=list(overrides), extract_gpus=extract_gpus,
-         train_gpus=train_gpus, devices=devices, store=store, command=_command_line())
+         train_gpus=train_gpus, devices=devices, store=store, command=_command_line(), expand=not no_expand)
 
 
 @main.command()

@@ -24,11 +24,16 @@ Contract:
   option of `dflash train` fails it until it is one or the other). A resumed training child's line is
   `stages.train.resume_argv` of the fresh one, as the resume hint of a stopped `dflash train` is.
 - Supervised by `pipeline.lifecycle.Supervisor` (each child in its own process group, signals forwarded).
+- Expansion (the default; `--no-expand` keeps the split): when the extraction exits 0, training checkpoints at
+  its next optimizer step, stops, and resumes on the union of both GPU lists (on the CPU: its processes plus
+  one per extraction shard); stages/run_expand.py holds the protocol and the figures (RUN/logs/handover.jsonl).
+  A store complete at the start is trained on the union directly, with no extraction child.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -39,6 +44,7 @@ from pipeline import store as st
 from pipeline.config import Config
 from pipeline.errors import UserError
 from pipeline.lifecycle import ExitCode, Supervisor, tail
+from stages.run_expand import ENV_DIR, ENV_FIRST, FIRST_STEP
 
 
 class RunError(UserError, RuntimeError):
@@ -127,7 +133,8 @@ def status_line(store: str, run_dir: Path) -> str:
 
 def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], extract_gpus: str = "",
              train_gpus: str = "", devices: Optional[int] = None, store: Optional[str] = None,
-             command: str = "dflash run") -> int:
+             command: str = "dflash run", expand: bool = True) -> int:
+    from stages.run_expand import Handover, clear, hold, union_devices, where
     from stages.train import resume_argv
 
     xg, tg = parse_gpus(extract_gpus), parse_gpus(train_gpus)
@@ -140,27 +147,51 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
                        "to run on the CPU")
     store_path = store or cfg.store.path
     run_dir = Path(cfg.train.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    clear(logs)  # a killed run's handover files: an old request must not stop this run's training
     common = dict(config_path=config_path, overrides=list(overrides), store=store_path)
     x_cmd = child_argv("extract", EXTRACT_FORWARDED, **common, shards=len(xg) or cfg.extract.shards,
                        gpus=",".join(map(str, xg)) or None)
     resume = (run_dir / "checkpoints" / "last.ckpt").exists()
     complete = _complete(store_path)
+    all_gpus, all_cpus = union_devices(xg, tg, devices, len(xg) or cfg.extract.shards)
+    direct, expanding = expand and complete, expand and not complete  # direct: nothing to extract, all devices train
+    t_gpus, t_cpus = (all_gpus, all_cpus) if direct else (tg, devices or 1)
     follows = run_dir / "logs" / "train-follows"  # this run's training began on an unfinished store
     follow = not complete or (not resume and follows.exists())  # resumed: the checkpoint keeps its epochs
     if follow and not complete:
         follows.write_text("training started with --follow: a rerun before its first checkpoint follows too\n")
-    t_cmd = child_argv("train", TRAIN_FORWARDED, **common, gpus=",".join(map(str, tg)) or None,
-                       devices=None if tg else devices or 1, follow=follow)
-    t_cmd = resume_argv(t_cmd) if resume else t_cmd
+
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"run: extraction on {('GPUs ' + ','.join(map(str, xg))) if xg else 'the CPU'} -> {store_path}"
-        f"{' (already complete)' if complete else ''}; training on "
-        f"{('GPUs ' + ','.join(map(str, tg))) if tg else f'{devices or 1} CPU process(es)'} -> {run_dir}"
-        f"{' (resuming)' if resume else ''}; logs in {run_dir / 'logs'}/run-*.log")
+    t_sets = list(overrides)
+    if direct and not resume and cfg.train.keep_global_batch:  # the split's global batch, as an expansion keeps it
+        from stages.train_batch import nearest_accumulate
+
+        acc = cfg.train.accumulate_grad_batches
+        new_acc = nearest_accumulate(acc * (len(tg) or devices or 1), len(t_gpus) or t_cpus)
+        if new_acc != acc:
+            t_sets.append(f"train.accumulate_grad_batches={new_acc}")
+            say(f"run: the store is complete: training starts on {where(t_gpus, t_cpus)} with "
+                f"train.accumulate_grad_batches {new_acc} (was {acc}), the global batch of the split it replaces "
+                "(train.keep_global_batch=false: let it grow with the ranks)")
+
+    def train_cmd(gpus: list[int], cpus: int, follow: bool, resume: bool) -> list[str]:
+        cmd = child_argv("train", TRAIN_FORWARDED, **{**common, "overrides": t_sets},
+                         gpus=",".join(map(str, gpus)) or None, devices=None if gpus else cpus, follow=follow)
+        return resume_argv(cmd) if resume else cmd
+
+    say(f"run: extraction {'skipped' if direct else 'on ' + (('GPUs ' + ','.join(map(str, xg))) if xg else 'the CPU')}"
+        f" -> {store_path}{' (already complete)' if complete else ''}; training on {where(t_gpus, t_cpus)} -> {run_dir}"
+        f"{' (resuming)' if resume else ''}"
+        f"{f', moving to {where(all_gpus, all_cpus)} when extraction finishes' if expanding else ''}; logs in "
+        f"{run_dir / 'logs'}/run-*.log")
+    handover = Handover(logs)
 
     def on_failure(name: str, rc: int) -> None:
-        if name == "extract":
+        if name == "train" and rc == ExitCode.STOPPED and handover.stopped() is not None:
+            handover.exited_at = time.time()  # stopped for the handover, its checkpoint in place
+        elif name == "extract":
             say(f"\nrun: extraction failed (exit {rc}); stopping the training, which cannot finish without it")
             children.send("train", signal.SIGINT)
         else:
@@ -170,21 +201,47 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
         if n == 1:
             say("\nrun: stopping both stages (Ctrl-C again to force)")
 
-    # each child in its own process group: a terminal's Ctrl-C reaches this process only, which passes it on to
-    # each child exactly once (and a second one, which forces them); a child's exit is a failure unless 0
-    children = Supervisor(signals="forward", quiet=(ExitCode.OK,), stop_codes=(ExitCode.STOPPED,),
+    def supervisor() -> Supervisor:
+        # each child in its own process group: a terminal's Ctrl-C reaches this process only, which passes it on
+        # to each child exactly once (and a second one, which forces them); a child's exit is a failure unless 0
+        return Supervisor(signals="forward", quiet=(ExitCode.OK,), stop_codes=(ExitCode.STOPPED,),
                           on_failure=on_failure, on_stop=on_stop)
-    children.spawn("extract", x_cmd, log=run_dir / "logs" / "run-extract.log", own_group=True)
-    children.spawn("train", t_cmd, log=run_dir / "logs" / "run-train.log", own_group=True)
-    tty, last = sys.stderr.isatty(), [0.0]
+
+    children = supervisor()
+    if not direct:
+        children.spawn("extract", x_cmd, log=run_dir / "logs" / "run-extract.log", own_group=True)
+    env = {**os.environ, ENV_DIR: str(logs)} if expanding else None
+    children.spawn("train", train_cmd(t_gpus, t_cpus, follow, resume), log=run_dir / "logs" / "run-train.log",
+                   env=env, own_group=True)
+    tty, last, note = sys.stderr.isatty(), [0.0], [""]
 
     def tick() -> None:
+        x = children.children.get("extract")
+        if expanding and handover.requested_at is None and x is not None and x.proc.poll() == 0:
+            handover.request()
+            say(f"\nrun: extraction finished; training checkpoints at its next optimizer step and resumes on "
+                f"{where(all_gpus, all_cpus)} (--no-expand keeps the split)")
+        said = handover.poll()
+        if said:
+            note[0] = f"expanded to {where(all_gpus, all_cpus)} at step {handover.recorded['step']}"
+            say("\n" + said)
         if time.time() - last[0] >= (1.0 if tty else 15.0):
             last[0] = time.time()
-            print(status_line(store_path, run_dir).ljust(120 if tty else 0), end="\r" if tty else "\n",
-                  file=sys.stderr, flush=True)
+            line = status_line(store_path, run_dir) + (f" | {note[0]}" if note[0] else "")
+            print(line.ljust(120 if tty else 0), end="\r" if tty else "\n", file=sys.stderr, flush=True)
 
     end = children.watch(tick)
+    if expanding and not end.stops and end.codes.get("train") == ExitCode.STOPPED and handover.stopped():
+        handover.exited_at = handover.exited_at or time.time()
+        hold("relaunch", logs)
+        children = supervisor()
+        handover.relaunched(where(t_gpus, t_cpus), where(all_gpus, all_cpus))
+        children.spawn("train", train_cmd(all_gpus, all_cpus, False, True), log=run_dir / "logs" / "run-train.log",
+                       env={**os.environ, ENV_FIRST: str(logs / FIRST_STEP)}, own_group=True)
+        end = children.watch(tick)
+        said = handover.poll(final=True)
+        if said:
+            say("\n" + said)
     say(("\n" if tty else "") + status_line(store_path, run_dir))
     if end.failed is not None:
         log = run_dir / "logs" / f"run-{end.failed}.log"

@@ -384,6 +384,11 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         from stages.train_profile import StepProfile
 
         callbacks.append(StepProfile(*cfg.train.profile_steps, run_dir / "logs", cuda=use_gpu))
+    from stages.train_handover import handover_callback
+
+    handover = handover_callback(run_dir)  # `dflash run`'s expansion: checkpoint and stop when asked
+    if handover is not None:
+        callbacks.append(handover)
     if top.num_nodes > 1:  # every rank's config, store, data plan and checkpoint compared once the group forms
         from stages.train_nodes import nodes_check, store_facts
 

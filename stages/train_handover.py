@@ -1,0 +1,97 @@
+"""The training's side of `dflash run`'s expansion (stages/run_expand.py): checkpoint at the next optimizer step
+when asked, then stop, so that the supervisor resumes the run on more GPUs.
+
+Contract:
+- `handover_callback(run_dir)`: None unless the supervisor set DFLASH_HANDOVER_DIR (an expanding training) or
+  DFLASH_HANDOVER_FIRST (the relaunched one); a plain `dflash train` gets nothing.
+- At the end of each optimizer step (Lightning's global step moved on; never inside an accumulation window)
+  every rank looks for RUN/logs/handover-request.json and the ranks agree (one all-reduce over a gloo group:
+  a CPU collective, no wait for the GPU), so all stop at the same step. Then: a step checkpoint still being
+  written is finished, the step's checkpoint is written to RUN/checkpoints/last.ckpt and waited for
+  (stages/progress.save_final, as at the end of a fit), rank 0 writes handover-stopped.json, and the ranks
+  stop the way Ctrl-C stops them (stages/train_stop.py: StopRequest, exit 130, the resume hint).
+- The relaunched training's rank 0 writes handover-first-step.json (the time and the step) at the end of its
+  first optimizer step.
+Nothing here touches the training math or the data position; the resume is stages/train.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import torch
+
+from stages.run_expand import ENV_DIR, ENV_FIRST, REQUEST, STOPPED, hold, read_json, write_json
+
+
+class HandoverCallback(L.Callback):
+    def __init__(self, logs: Path, expanding: bool, first_step: Optional[Path]):
+        self.logs, self.expanding, self.first_step = logs, expanding, first_step
+        self.seen_step, self.group = None, None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.seen_step = trainer.global_step
+        if self.expanding and trainer.world_size > 1:
+            import torch.distributed as dist
+
+            # the agreement is a CPU collective: under NCCL a device all-reduce would wait for the GPU every step
+            self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        if self.first_step is not None and trainer.is_global_zero:
+            hold("start", self.logs)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.seen_step:
+            return  # inside an accumulation window (or no step taken)
+        self.seen_step = trainer.global_step
+        if self.first_step is not None:
+            if trainer.is_global_zero:
+                write_json(self.first_step, {"time": time.time(), "step": trainer.global_step})
+            self.first_step = None
+        if self.expanding and self._asked(trainer):
+            self._hand_over(trainer)
+
+    def _asked(self, trainer) -> bool:
+        asked = (self.logs / REQUEST).exists()
+        if trainer.world_size == 1:
+            return asked
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(asked)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def _hand_over(self, trainer) -> None:
+        from stages.progress import save_final
+        from stages.train_ckpt_io import wait_for_checkpoints
+        from stages.train_stop import StopRequest
+
+        step_at = time.time()
+        if trainer.is_global_zero:
+            hold("checkpoint", self.logs)
+        checkpoint = trainer.checkpoint_callback
+        last = Path(checkpoint.dirpath) / "last.ckpt"
+        wait_for_checkpoints(trainer, sync=True)  # a step checkpoint still being written (last.ckpt links it)
+        save_final(trainer, checkpoint, last)
+        wait_for_checkpoints(trainer, sync=True)  # in place on disk before anyone is told
+        if trainer.is_global_zero:
+            request = read_json(self.logs / REQUEST) or {}
+            write_json(self.logs / STOPPED, {"step": trainer.global_step, "requested_at": request.get("requested_at"),
+                                             "step_at": step_at, "checkpoint_at": time.time()})
+            print(f"train: handing over at step {trainer.global_step} ({request.get('reason', 'asked')}): checkpoint "
+                  f"{last} in place in {time.time() - step_at:.1f} s; stopping so the run resumes on more GPUs",
+                  file=sys.stderr, flush=True)
+        StopRequest.record("the handover to more GPUs")
+        raise KeyboardInterrupt("handover")  # Lightning's Ctrl-C path on every rank (stages/train_stop.py)
+
+
+def handover_callback(run_dir: Path) -> Optional[HandoverCallback]:
+    expanding, first = os.environ.get(ENV_DIR), os.environ.get(ENV_FIRST)
+    if not expanding and not first:
+        return None
+    return HandoverCallback(Path(run_dir) / "logs", bool(expanding), Path(first) if first else None)
+

@@ -1,0 +1,189 @@
+"""`dflash run` expands training when extraction ends (issue 41 items 1 and 3), on the CPU with gloo ranks: one
+extraction process and one training rank become two training ranks. The samples of every optimizer step are an
+unexpanded run's; the weights are those of a resume on two ranks by hand from the handover checkpoint; and a
+kill -9 of `dflash run` before the handover checkpoint, after it, or while the new ranks start leaves no process
+behind, and the same command then gives the uninterrupted run's result."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from helpers_cli import HANG_S, ROOT
+from pipeline.ckpt_io import load_training_checkpoint
+
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1"}
+SETS = ["data.max_samples=32", "extract.shards=1", "extract.token_budget=512", "train.epochs=2",
+        "train.num_workers=0", "train.batch_size=4", "train.accumulate_grad_batches=2", "train.follow_buffer=8",
+        "train.val_every=1000", "train.lr=0.01"]
+
+
+def _cmd(store: Path, run: Path, *extra: str) -> list[str]:
+    sets = [w for s in [*SETS, f"train.run_dir={run}"] for w in ("--set", s)]
+    return [sys.executable, "-m", "stages.cli", "run", "--store", str(store), *sets, *extra]
+
+
+def _run(cmd, env=ENV) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+def _steps(run: Path, ranks, keep=lambda x: True) -> dict[int, list[list[int]]]:
+    """step -> that step's micro-batches (sample ids), rank 0's then rank 1's (DFLASH_SAMPLE_LOG)."""
+    out = defaultdict(list)
+    for r in ranks:
+        for x in map(json.loads, (run / "logs" / f"samples-rank{r}.jsonl").read_text().splitlines()):
+            if keep(x):
+                out[x["step"]].append([i for i in x["ids"] if i >= 0])
+    return dict(out)
+
+
+def _weights(run: Path) -> dict:
+    return load_training_checkpoint(run / "checkpoints" / "last.ckpt")
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert a["global_step"] == b["global_step"]
+    for k, v in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.fixture(scope="module")
+def expanded(tmp_path_factory):
+    """An uninterrupted `dflash run` that expands: (its store, its run dir, its stderr)."""
+    tmp = tmp_path_factory.mktemp("expanded")
+    r = _run(_cmd(tmp / "store.zarr", tmp / "run"))
+    return tmp / "store.zarr", tmp / "run", r.stderr
+
+
+@pytest.mark.slow
+def test_run_expands_to_the_extraction_devices_and_trains_an_unexpanded_runs_steps(expanded, tmp_path):
+    store, run, err = expanded
+    starts = [x for x in (run / "logs" / "run-train.log").read_text().splitlines() if x.startswith("=== ")]
+    assert len(starts) == 2 and "--devices 1 --follow" in starts[0] and starts[1].endswith("--devices 2 --resume")
+    assert "moving to 2 CPU process(es) when extraction finishes" in err
+    assert "run: extraction finished; training checkpoints at its next optimizer step" in err
+    (line,) = [json.loads(x) for x in (run / "logs" / "handover.jsonl").read_text().splitlines()]
+    step = line["step"]
+    assert line["reason"] == "extraction finished" and (line["from"], line["to"]) == ("1 CPU process(es)", "2 CPU process(es)")
+    for k in ("wait_for_step_s", "checkpoint_s", "stop_s", "relaunch_to_first_step_s", "total_s"):
+        assert line[k] is not None and line[k] >= 0, (k, line)
+    assert f"run: expanded training from 1 CPU process(es) to 2 CPU process(es) at step {step}" in err
+    assert "run: done: store" in err
+    # the unexpanded schedule: one rank following the finished store (its commit-order stream epoch depends only
+    # on the store and the seed), accumulating 2 micro-batches per step
+    ref = tmp_path / "ref"
+    r = subprocess.run([sys.executable, "-m", "stages.cli", "train", "--store", str(store), "--devices", "1", "--follow",
+                        "--no-export", *[w for s in [*SETS, f"train.run_dir={ref}"] for w in ("--set", s)]],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    expected = _steps(ref, [0])
+    assert len(expected) == _weights(run)["global_step"] and all(len(b) == 2 for b in expected.values())
+    before = _steps(run, [0], keep=lambda x: x["step"] < step)
+    assert 0 < step < len(expected) and sorted(before) == list(range(step))
+    after = {s: b for s, b in _steps(run, [0, 1]).items() if s >= step}
+    assert {**before, **after} == expected
+
+
+def _kill_at(phase: str, store: Path, run: Path) -> None:
+    """`dflash run` until DFLASH_TEST_HANDOVER_HOLD=phase holds, then kill -9 of it: every process it started is
+    gone (the children die with their parent: nothing is left holding a device)."""
+    p = subprocess.Popen(_cmd(store, run), cwd=ROOT, env={**ENV, "DFLASH_TEST_HANDOVER_HOLD": phase},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    marker, deadline = run / "logs" / f"handover-hold-{phase}", time.time() + HANG_S
+    while not marker.exists():
+        assert p.poll() is None and time.time() < deadline, p.stderr.read()[-4000:] if p.poll() is not None else phase
+        time.sleep(0.2)
+    children = psutil.Process(p.pid).children(recursive=True)
+    assert phase == "relaunch" or children, "the training holds: it is a child of the run"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    p.stderr.close()
+    _, alive = psutil.wait_procs(children, timeout=120)
+    assert not alive, f"left behind after kill -9 of dflash run: {[c.pid for c in alive]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["checkpoint", "relaunch", "start"])
+def test_kill_9_during_the_handover_then_the_same_command_gives_the_uninterrupted_result(expanded, tmp_path, phase):
+    """checkpoint: killed before the handover checkpoint (the rerun trains on both ranks from its start, following
+    the finished store as the first run did); relaunch: after it, before the new ranks; start: while they start.
+    After the checkpoint, a resume on two ranks by hand from it trains the same weights."""
+    store, run = tmp_path / "store.zarr", tmp_path / "run"
+    _kill_at(phase, store, run)
+    stopped = run / "logs" / "handover-stopped.json"
+    assert stopped.exists() == (phase != "checkpoint")
+    if phase == "relaunch":
+        by_hand = tmp_path / "by_hand"
+        shutil.copytree(run, by_hand)
+    r = _run(_cmd(store, run))
+    assert "(already complete)" in r.stderr and "extraction skipped" in r.stderr and "training on 2 CPU" in r.stderr
+    _assert_same_weights(_weights(expanded[1]), _weights(run))
+    if phase == "relaunch":  # the handover checkpoint, resumed on two ranks by hand
+        cmd = [sys.executable, "-m", "stages.cli", "train", "--store", str(store), "--devices", "2", "--resume",
+               "--no-export", *[w for s in [*SETS, f"train.run_dir={by_hand}"] for w in ("--set", s)]]
+        r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
+        assert r.returncode == 0, r.stderr[-4000:]
+        _assert_same_weights(_weights(run), _weights(by_hand))
+
+
+def test_the_handover_figures_come_from_the_protocol_files(tmp_path, monkeypatch):
+    """What RUN/logs/handover.jsonl and the view's line say, from the times the two sides wrote; the devices the
+    expanded training gets; a plain `dflash train` installs no handover callback."""
+    from stages.run_expand import FIRST_STEP, LOG, REQUEST, STOPPED, Handover, clear, union_devices, write_json
+    from stages.train_handover import handover_callback
+
+    assert union_devices([0, 1, 2, 3, 4], [5, 6, 7], None, 5) == ([0, 1, 2, 3, 4, 5, 6, 7], 0)
+    assert union_devices([], [], None, 1) == ([], 2) and union_devices([], [], 3, 2) == ([], 5)
+    h = Handover(tmp_path)
+    h.request()
+    assert json.loads((tmp_path / REQUEST).read_text())["reason"] == "extraction finished"
+    t0 = h.requested_at
+    write_json(tmp_path / STOPPED, {"step": 7, "step_at": t0 + 2.0, "checkpoint_at": t0 + 3.5})
+    h.exited_at = t0 + 4.0
+    h.relaunched("GPUs 5,6,7", "GPUs 0,1,2,3,4,5,6,7")
+    h.relaunched_at = t0 + 4.5
+    assert h.poll() is None  # no first step yet
+    write_json(tmp_path / FIRST_STEP, {"time": t0 + 24.5, "step": 8})
+    line = h.poll()
+    (rec,) = [json.loads(x) for x in (tmp_path / LOG).read_text().splitlines()]
+    assert {k: rec[k] for k in ("step", "wait_for_step_s", "checkpoint_s", "stop_s", "relaunch_to_first_step_s",
+                                "total_s")} == {"step": 7, "wait_for_step_s": 2.0, "checkpoint_s": 1.5, "stop_s": 0.5,
+                                                "relaunch_to_first_step_s": 20.0, "total_s": 24.5}
+    assert line.startswith("run: expanded training from GPUs 5,6,7 to GPUs 0,1,2,3,4,5,6,7 at step 7 (extraction "
+                           "finished): handover 24.5 s (wait for the step 2.0 s, checkpoint 1.5 s, stop 0.5 s, "
+                           "relaunch to the first step 20.0 s)"), line
+    assert h.poll() is None  # recorded once
+    clear(tmp_path)
+    assert not any((tmp_path / n).exists() for n in (REQUEST, STOPPED, FIRST_STEP)) and (tmp_path / LOG).exists()
+    monkeypatch.delenv("DFLASH_HANDOVER_DIR", raising=False)
+    monkeypatch.delenv("DFLASH_HANDOVER_FIRST", raising=False)
+    assert handover_callback(tmp_path) is None
+    monkeypatch.setenv("DFLASH_HANDOVER_DIR", str(tmp_path))
+    cb = handover_callback(tmp_path)
+    assert cb.expanding and cb.first_step is None and cb.logs == tmp_path / "logs"
+
+
+@pytest.mark.slow
+def test_handover_bench_part_prints_the_three_figures_at_its_tiny_size(tmp_path):
+    """bench/parts.py's `handover` (the GPU figures of issue 41) at its CPU smoke size."""
+    r = subprocess.run([sys.executable, "-m", "bench.parts", "run", "--tiny", "handover"], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}, timeout=HANG_S)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    rec = json.loads((tmp_path / "handover.json").read_text())
+    assert rec["device"] == "cpu" and rec["step"] >= 1
+    for k in ("checkpoint_s", "stop_s", "relaunch_to_first_step_s"):
+        assert rec[k] is not None and rec[k] >= 0, (k, rec)
+    assert "handover: checkpoint " in r.stdout and "relaunch to the first step" in r.stdout, r.stdout[-3000:]
