@@ -23,7 +23,7 @@ AFTER = {"ddpopts": "e2emfu", "tau-collect": "tau-start"}
 # parts whose tiny run has a test of its own that runs the same `bench.parts run --tiny PART` and checks its figures:
 # the generic run below leaves them out (the suite ran each of them twice)
 DEDICATED = {"fastfwd": "test_fast_forward.py", "long": "test_long_samples.py", "longdiag": "test_long_samples.py",
-             "packmfu": "test_pack_bench.py", "packtau": "test_pack_bench.py"}
+             "packmfu": "test_pack_bench.py", "packtau": "test_pack_bench.py", "handover": "test_run_expand.py"}
 
 
 def steps_of(name: str, out: Path, tiny: bool) -> list[Step]:
