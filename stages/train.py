@@ -228,6 +228,15 @@ def resume_command(command: str) -> str:
     return shlex.join(resume_argv(shlex.split(command)))
 
 
+def resumable_config(cfg: Config, store_path: str) -> Config:
+    """The config RUN/config.yaml records: `cfg` with the store this run trains on (--store included) and the run
+    directory, local paths made absolute, so that `dflash train --config RUN/config.yaml --resume` continues the
+    run from any directory."""
+    local = lambda p: p if "://" in p else str(Path(p).resolve())  # noqa: E731
+    return dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, path=local(store_path)),
+                               train=dataclasses.replace(cfg.train, run_dir=local(cfg.train.run_dir)))
+
+
 def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
     """Lightning's DDP (NCCL on GPUs, gloo on CPU) with the train.ddp_* options passed to DistributedDataParallel.
     Across nodes the group forms under train.rendezvous_timeout_s (stages/train_nodes.py lengthens it after the
@@ -364,6 +373,10 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
     # the LR schedule's length: a fresh run's plan (a following run counts the samples the store will hold);
     # a resumed run gets its schedule back from the checkpoint and adjusts it when the plan changed (train_task)
     planned = remaining_steps(sampler, cfg.train.epochs, cfg.train.accumulate_grad_batches, planned=bool(stream_epochs))
+    if cfg.train.max_steps > planned and launcher and rank == 0:  # Lightning stops at whichever comes first
+        print(f"train: train.max_steps={cfg.train.max_steps} is more than train.epochs={cfg.train.epochs} give on "
+              f"this store ({planned} steps): the run stops after {planned}; raise train.epochs to train longer",
+              file=sys.stderr, flush=True)
     if cfg.train.max_steps >= 0:
         planned = min(planned, cfg.train.max_steps)
     if resume_state and resume_state["loader"]:
@@ -457,8 +470,8 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         print(f"train: drafter {n / 1e6:.2f}M parameters ({cfg.drafter.arch}), on "
               f"{f'GPU {list(devs)}' if use_gpu else f'{devs} CPU process(es)'}, precision {precision}",
               file=sys.stderr, flush=True)
-    if trainer.is_global_zero:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if trainer.is_global_zero:  # with the store and run dir used, absolute: `--config RUN/config.yaml --resume` works
+        (run_dir / "config.yaml").write_text(dump_config(resumable_config(cfg, store_path)))
         (run_dir / "command.txt").write_text(command + "\n")
     phases.mark("trainer")
     head_check()  # the frozen head's checksum, overlapped with the set-up above
