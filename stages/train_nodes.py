@@ -81,6 +81,10 @@ class Topology:
                 raise NodesError(f"{shape}, but {what}: start every node with the same --num-nodes and "
                                  f"--gpus/--devices as the job has ranks")
 
+        port = e.get("MASTER_PORT")
+        if port is not None and not (port.strip().isdigit() and 1 <= int(port) <= 65535):  # before anything is made
+            raise NodesError(f"MASTER_PORT={port!r} is not a TCP port: set it to a free port in 1..65535 (node 0's, "
+                             "the same on every node), or unset it for a one-node run")
         if all(k in e for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):  # torchrun
             if num("LOCAL_WORLD_SIZE") != per_node:
                 raise NodesError(f"torchrun --nproc-per-node {num('LOCAL_WORLD_SIZE')} but dflash train has {per_node} "

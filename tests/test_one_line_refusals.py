@@ -110,3 +110,11 @@ def test_every_stage_starts_with_one_line_naming_config_target_store_and_run_dir
     cfg.write_text(Path(TINY).read_text().replace("runs/tiny/store.zarr", str(store)))
     r = CliRunner().invoke(main, ["extract", "--config", str(cfg), "--plan", "--set", "data.max_samples=8"])
     assert r.output.splitlines()[0] == f"extract: config {cfg}; target {target}; store {store}; run dir runs/tiny/train"
+
+
+@pytest.mark.parametrize("port", ["abc", "99999", "0"])
+def test_a_master_port_that_is_no_tcp_port_is_refused_before_the_run_dir(port, tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", port)
+    line = refused(["--config", TINY, "--devices", "2"], tmp_path)
+    assert line == (f"error: MASTER_PORT={port!r} is not a TCP port: set it to a free port in 1..65535 (node 0's, "
+                    "the same on every node), or unset it for a one-node run")
