@@ -1,6 +1,8 @@
 """Resume edges (issue 27 item 5): a run killed after a step's checkpoint and before that step's validation
 validates on resume (stages/progress.py: ValidateSkippedOnResume): its metrics row and its best-checkpoint
-candidacy come back, and the run ends as the uninterrupted one did."""
+candidacy come back, and the run ends as the uninterrupted one did. Killed twice, once at its first checkpoint
+and once between a resumed save and the removal of the file it replaces (issue 40), the run resumes
+bit-identical, and a resume repairs the dangling and versioned links the old code left there."""
 
 from __future__ import annotations
 
@@ -107,3 +109,74 @@ def test_dflash_run_rerun_after_extraction_finished_gives_the_uninterrupted_resu
     fresh = tmp_path / "fresh"
     r = run(fresh)
     assert r.returncode == 0 and "--follow" not in (fresh / "command.txt").read_text()
+
+
+# the CLI, SIGKILLed (issue 40) at validation start of step 2 once step2.ckpt is whole (DFLASH_TEST_KILL=val2), or
+# right after the resumed run removed step2.ckpt, the file its new step4.ckpt replaced (rm-step2): the window
+# between the new save and the old one's removal, where last.ckpt once named the removed file
+_KILL_BETWEEN_SAVE_AND_REMOVAL = """
+import os, signal, sys
+from pathlib import Path
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from stages.train_task import DrafterTask
+from stages.train_ckpt_io import wait_for_checkpoints
+where = os.environ["DFLASH_TEST_KILL"]
+start, remove = DrafterTask.on_validation_start, TorchCheckpointIO.remove_checkpoint
+def on_validation_start(self):
+    if where == "val2" and self.global_step == 2:
+        wait_for_checkpoints(self.trainer)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return start(self)
+def remove_checkpoint(self, path):
+    remove(self, path)
+    if where == "rm-step2" and Path(path).name == "step2.ckpt":
+        os.kill(os.getpid(), signal.SIGKILL)
+DrafterTask.on_validation_start, TorchCheckpointIO.remove_checkpoint = on_validation_start, remove_checkpoint
+from stages.cli import main
+sys.argv = ["dflash", *sys.argv[1:]]
+main()
+"""
+
+
+def _names(d):
+    return {f.name: os.readlink(f) if f.is_symlink() else "file" for f in d.iterdir()}
+
+
+@pytest.mark.slow
+def test_killed_twice_between_a_save_and_the_old_ones_removal_resumes_bit_identical(tiny_store, tmp_path):
+    from pipeline.ckpt_io import relink
+
+    def args(run):
+        return ["train", "--config", TINY, "--store", tiny_store, "--set", f"train.run_dir={run}", "--set",
+                "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=6", "--set",
+                "train.checkpoint_every=2", "--set", "train.val_every=2", "--set", "train.log_every=1",
+                "--set", "train.lr=0.02", "--no-export"]
+
+    def killed(run, where, *extra):
+        p = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_SAVE_AND_REMOVAL, *args(run), *extra], cwd=ROOT,
+                           env={**ENV, "DFLASH_TEST_KILL": where}, capture_output=True, text=True, timeout=HANG_S)
+        assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    dflash(*args(ref))
+    ckpts = run / "checkpoints"
+    killed(run, "val2")  # the first kill: the resume is from the first checkpoint
+    assert os.readlink(ckpts / "last.ckpt") == "step2.ckpt"
+    killed(run, "rm-step2", "--resume")  # the second: step4.ckpt written and linked, step2.ckpt just removed
+    assert {k: v for k, v in _names(ckpts).items() if not k.startswith("best-")} == {
+        "last.ckpt": "step4.ckpt", "step4.ckpt": "file"}  # last.ckpt names the new file: no last-v1.ckpt
+    # what the same kills left before issue 40: last.ckpt on the removed step 2, last-v1.ckpt on step 4
+    relink(str(ckpts / "step2.ckpt"), str(ckpts / "last.ckpt"))
+    os.symlink("step4.ckpt", ckpts / "last-v1.ckpt")
+    r = dflash(*args(run), "--resume")
+    assert ("--resume repaired" in r.stderr and "last.ckpt named step2.ckpt, which is missing; it now names "
+            "step4.ckpt" in r.stderr and "removed the versioned link(s) last-v1.ckpt" in r.stderr), r.stderr[-3000:]
+    assert _names(ckpts) == _names(ref / "checkpoints")  # last.ckpt -> step6.ckpt, one best: no versioned names
+    assert _rows(run) == _rows(ref)
+    a = load_training_checkpoint(ref / "checkpoints" / "last.ckpt")
+    b = load_training_checkpoint(ckpts / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == 6
+    for k, v in a["state_dict"].items():
+        assert torch.equal(v, b["state_dict"][k]), k
+    for sa, sb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
