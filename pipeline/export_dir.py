@@ -1,8 +1,9 @@
 """The export directory every drafter arch writes (pipeline/export.py, pipeline/export2.py): the serving contract's
 weight names (`contract_keys`), the transformers config.json fields (`hf_config_dict`), the one writer of the
 directory's files (`write_files`: weights, config.json, the modeling file and its helpers copied beside them,
-dflash_meta.json) and the one tail of loading them back (`finish_load`), the checksum file (`write_checksums` /
-`verify_checksums`) and the whole-directory replace (`_replace_dir`). The layout and its rules are in
+dflash_meta.json) and the one tail of loading them back (`finish_load`: non-finite weights are refused by tensor
+name, `refuse_non_finite`), the checksum file (`write_checksums` / `verify_checksums`: when present it must
+list every weight, config and code file, `COVERED_SUFFIXES`) and the whole-directory replace (`_replace_dir`). The layout and its rules are in
 pipeline/export.py's docstring.
 """
 
@@ -84,6 +85,7 @@ def finish_load(path: str | Path, meta: dict, drafter: nn.Module, state: dict,
     """The end of loading an export (its keys checked against the arch's contract): the weights into `drafter`
     (strict), on `device` in `dtype` (None: the saved one), dflash_meta.json into meta["dflash_meta"] ->
     (drafter in eval mode, its arch, meta)."""
+    refuse_non_finite(state.items(), f"{path}/model.safetensors")
     drafter.load_state_dict(state, strict=True)
     drafter.to(device=device, dtype=dtype or state["fc.weight"].dtype)
     if (Path(path) / "dflash_meta.json").exists():
@@ -157,15 +159,26 @@ def write_checksums(d: Path) -> None:
     (Path(d) / CHECKSUMS).write_text("".join(f"{sha256_file(Path(d) / n)}  {n}\n" for n in names))
 
 
+# the files an export's checksums must list when present: weights, configs and records, and code it runs
+COVERED_SUFFIXES = (".safetensors", ".json", ".py", ".bin", ".pt", ".pth")
+
+
 def verify_checksums(d: str | Path, what: str = "") -> bool:
     """Check every file listed in d/checksums.sha256 (False when the export has none: an older or foreign one);
-    raise ExportError naming the first file that is missing or differs."""
+    raise ExportError naming the first file that is missing or differs, or a weight, config or code file
+    (`COVERED_SUFFIXES`) of the directory that the list leaves out (a checksum file that protects nothing)."""
     from .checkpoint import sha256_file
 
     d = Path(d)
     listed = d / CHECKSUMS
     if not listed.is_file():
         return False
+    names = {line.partition("  ")[2] for line in listed.read_text().splitlines()}
+    unlisted = sorted(f.name for f in d.iterdir() if f.name not in names and f.name != CHECKSUMS
+                      and f.suffix in COVERED_SUFFIXES and not f.is_dir())
+    if unlisted:
+        raise ExportError(f"{what}{d / unlisted[0]} is not covered by {listed} (the list must name every weight, "
+                          "config and code file); copy the export again or re-export it (`dflash export RUN DIR`)")
     for n, line in enumerate(listed.read_text().splitlines(), 1):
         digest, _, name = line.partition("  ")
         if not name or "/" in name or len(digest) != 64:
@@ -177,6 +190,17 @@ def verify_checksums(d: str | Path, what: str = "") -> bool:
             raise ExportError(f"{what}{f} is damaged: its sha256 differs from {listed}'s; copy the export again "
                               f"or re-export it (`dflash export RUN DIR`); edited on purpose: remove {listed}")
     return True
+
+
+def refuse_non_finite(tensors, where: str, what: str = "") -> None:
+    """(name, tensor) pairs of a weights file `where`: ExportError naming the first tensor that holds a NaN or an
+    inf (checksums pass a file written that way; training from it would stop at its first step)."""
+    for name, t in tensors:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ExportError(f"{what}{where}: tensor {name} holds {bad} non-finite value(s) (NaN or inf): the drafter "
+                              "diverged or the file was damaged; export it again from a good checkpoint "
+                              "(`dflash export RUN DIR`)")
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -14,7 +14,9 @@ Contract:
 - Every checkpoint's metadata carries `step` and `val` (the latest validation's metrics and the step it ran at).
 - `choose_checkpoint(ckpt_dir, which)` picks the checkpoint to export (`train.export_checkpoint`: best, the
   default, or last) and says which one and why, e.g. "step 1200 (best val tau 3.410; the last step, 1500,
-  had 3.380)". Without a validation split there is no best: the last is taken, and the message says so.
+  had 3.380)". Without a validation split there is no best: the last is taken, and the message says so; a
+  best-step file that the scan skips (`scan_best_files`: a symlink, a file the loader refuses) is named with
+  the reason instead.
 """
 
 from __future__ import annotations
@@ -48,17 +50,30 @@ def checkpoint_info(path: Path) -> dict:
 
 def best_files(ckpt_dir: Path) -> list[tuple[float, int, Path]]:
     """(tau, step, path) of every best-step file, best first (higher tau, then the earlier step)."""
-    out = []
-    for f in Path(ckpt_dir).glob("best-step*.ckpt") if Path(ckpt_dir).is_dir() else []:
-        if not BEST_RE.match(f.name) or f.is_symlink():
+    return scan_best_files(ckpt_dir)[0]
+
+
+def scan_best_files(ckpt_dir: Path) -> tuple[list[tuple[float, int, Path]], list[str]]:
+    """`best_files`, and one "NAME (why)" per best-step file it skipped: a symlink (a best checkpoint is a file
+    of its run, never a link to elsewhere), one the loader refused or could not read (its first error line),
+    or one without a val tau."""
+    out, skipped = [], []
+    for f in sorted(Path(ckpt_dir).glob("best-step*.ckpt")) if Path(ckpt_dir).is_dir() else []:
+        if not BEST_RE.match(f.name):
+            continue
+        if f.is_symlink():
+            skipped.append(f"{f.name} (a symlink, not a file of this run)")
             continue
         try:
             tau = checkpoint_info(f)["val"].get(TAU)
-        except Exception:  # noqa: BLE001 - a torn or foreign file is not a best checkpoint
+        except Exception as e:  # noqa: BLE001 - a torn, refused or foreign file is not a best checkpoint
+            skipped.append(f"{f.name} (refused: {(str(e).splitlines() or [type(e).__name__])[0]})")
             continue
-        if tau is not None:
-            out.append((float(tau), int(BEST_RE.match(f.name).group(1)), f))
-    return sorted(out, key=lambda t: (-t[0], t[1]))
+        if tau is None:
+            skipped.append(f"{f.name} (no {TAU} recorded)")
+            continue
+        out.append((float(tau), int(BEST_RE.match(f.name).group(1)), f))
+    return sorted(out, key=lambda t: (-t[0], t[1])), skipped
 
 
 def is_better(tau: Optional[float], best: Optional[float]) -> bool:
@@ -149,7 +164,10 @@ def choose_checkpoint(ckpt_dir: Path, which: str = "best", last_tau: Optional[fl
     lstep = info["step"]
     ltau = last_tau if last_tau is not None else _tau_at(info)
     lwhat = f"{ltau:.3f}" if ltau is not None else "no validation at that step"
-    files = best_files(ckpt_dir)
+    files, skipped = scan_best_files(ckpt_dir)
+    if not files and skipped:
+        return Choice(last, "last", lstep, ltau, f"the last step, {lstep} (val tau {lwhat}; no usable best "
+                                                 f"checkpoint: skipped {', '.join(skipped)})")
     if not files:
         return Choice(last, "last", lstep, ltau, f"the last step, {lstep} (val tau {lwhat}; there is no best "
                                                  "checkpoint: the run had no validation)")

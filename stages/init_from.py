@@ -11,7 +11,8 @@ Contract:
   FFN, head_dim, attention layer types and window, mask token, `is_causal`: the attention rule inside the
   block, so a fine-tune never changes it silently) and, for DFlash 2, its extra shape keys.
   Before that, the export's files are checked (`check_weights_file`): its checksums.sha256 when present (a
-  flipped byte names the file) and model.safetensors' header and length (a truncated or damaged file), one line.
+  flipped byte names the file; a weight, config or code file it leaves out is refused), model.safetensors'
+  header and length (a truncated or damaged file) and its values (a NaN or inf named by tensor), one line.
 - Which exports fit which drafter (`drafter.arch`; each arch's `warm_start_from` in pipeline/archs.py):
     DFlash export   -> dflash:  every weight (strict);
     DFlash export   -> dflash2: the backbone (pipeline.train_step.warm_start: convolutions identity,
@@ -116,6 +117,7 @@ def check_weights_file(path: str) -> None:
     from safetensors import safe_open
 
     from pipeline.export import verify_checksums
+    from pipeline.export_dir import refuse_non_finite
 
     verify_checksums(path, what="--init-from: ")
     f = Path(path) / "model.safetensors"
@@ -123,9 +125,12 @@ def check_weights_file(path: str) -> None:
         with safe_open(str(f), "pt") as fh:  # the header, and that the file covers every tensor it lists
             for k in fh.keys():
                 fh.get_slice(k).get_shape()
+            names = list(fh.keys())
     except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (no public base)
         raise ConfigError(f"--init-from {path}: {f} is not a readable safetensors file ({str(e).splitlines()[0]}): "
                           "truncated or damaged; copy the export again or re-export it (`dflash export RUN DIR`)") from None
+    with safe_open(str(f), "pt") as fh:  # a NaN or inf weight by name, not a loss that fails at step 0
+        refuse_non_finite(((k, fh.get_tensor(k)) for k in names), str(f), what="--init-from: ")
 
 
 def check_init_from(cfg: Config, attrs: dict, layer_ids: list[int], path: str) -> None:
