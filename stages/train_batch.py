@@ -75,10 +75,14 @@ def resume_accumulate(cfg: Config, resume_state: Optional[dict], world: int, say
                   f"does not divide over {world} rank(s): using the nearest it divides, {world} x {new_acc} = "
                   f"{world * new_acc} (train.accumulate_grad_batches {new_acc}); the learning-rate schedule keeps its "
                   "length in samples", file=sys.stderr, flush=True)
-    elif say and (new_acc != t.accumulate_grad_batches or old_world != world):
+    elif say and old_world != world:
         print(f"train: resuming on {world} rank(s) (the checkpoint's {old_world}): train.accumulate_grad_batches "
               f"{new_acc} (was {old_acc}), so the global batch stays {global_micro} {unit} per optimizer step "
               "(train.keep_global_batch=false: let it grow with the ranks)", file=sys.stderr, flush=True)
+    elif say and new_acc != t.accumulate_grad_batches:
+        print(f"train: resuming with the checkpoint's train.accumulate_grad_batches {new_acc} (the config says "
+              f"{t.accumulate_grad_batches}): its global batch of {global_micro} {unit} stays "
+              "(train.keep_global_batch=false: the config's)", file=sys.stderr, flush=True)
     t.accumulate_grad_batches = new_acc
     return new_acc
 

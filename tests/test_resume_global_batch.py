@@ -46,7 +46,10 @@ def test_resume_on_another_world_keeps_the_global_batch(capsys):
     # the checkpoint's accumulation wins over the config's on its own world size (a second resume, back on 3)
     cfg = _cfg("train.accumulate_grad_batches=8")
     assert resume_accumulate(cfg, _state(8, 3), 3, say=True) == 8
+    capsys.readouterr()
     assert resume_accumulate(_cfg(), _state(2, 4), 2, say=True) == 4  # the config says 1: the run's 4 kept
+    assert "resuming with the checkpoint's train.accumulate_grad_batches 4 (the config says 1): its global batch " \
+        "of 8 micro-batches of 4 sample(s) stays" in capsys.readouterr().err
     # a fresh run: the config's
     assert resume_accumulate(_cfg("train.accumulate_grad_batches=8"), None, 5, say=True) == 8
 
