@@ -84,7 +84,36 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     plus dflash_meta.json's content under "dflash_meta" when present). Keys must match the contract exactly."""
     path = Path(path)
     verify_checksums(path)
-    meta = json.loads((path / "config.json").read_text())
+    meta = _export_config(path)
     if "partial_rotary_factor" in meta:
         raise ValueError(f"{path}/config.json has partial_rotary_factor: the drafter uses full rotary embeddings")
     return spec_for_export(meta).load_export(path, meta, device, dtype)  # its arch's loader (pipeline/archs.py)
+    _check_weights_header(path / "model.safetensors")
+
+
+_REEXPORT = "the export is damaged or was edited: export the run again (`dflash export RUN DIR`)"
+
+
+def _export_config(path: Path) -> dict:
+    """config.json of an export as a dict, else one ExportError naming the file and the fix (its sizes are the
+    arch loader's to check: pipeline/archs.py `check_sizes`)."""
+    try:
+        meta = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}/config.json is not readable JSON ({str(e).splitlines()[0]}); {_REEXPORT}") from None
+    if not isinstance(meta, dict):
+        raise ExportError(f"{path}/config.json is not a JSON object; {_REEXPORT}")
+    return meta
+
+
+def _check_weights_header(f: Path) -> None:
+    """model.safetensors' header parses and every tensor it lists lies inside the file, else one ExportError."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                fh.get_slice(k).get_shape()
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (no public base)
+        raise ExportError(f"{f} is not a readable safetensors file ({str(e).splitlines()[0]}): truncated or "
+                          f"damaged; {_REEXPORT}") from None

@@ -70,6 +70,19 @@ def _export_value(meta: dict, key: str):
     return meta.get(key)
 
 
+def _wrong_type(key: str, value) -> str:
+    """"" when an export's value fits drafter.KEY's type in pipeline/config.py, else what that type is."""
+    import typing
+
+    from pipeline.config import DrafterConfig, _check_type
+
+    try:
+        _check_type(value, typing.get_type_hints(DrafterConfig)[key], key)
+    except ConfigError as e:
+        return str(e).split(": ", 1)[1].split(", got ")[0].replace("expected", "not", 1)
+    return ""
+
+
 def differences(cfg: Config, attrs: dict, layer_ids: list[int], meta: dict) -> list[str]:
     """One line per field where the export does not fit, each with its fix."""
     d, target = cfg.drafter, attrs["target"]
@@ -97,10 +110,17 @@ def differences(cfg: Config, attrs: dict, layer_ids: list[int], meta: dict) -> l
         ours = want_types if key == "layer_types" else getattr(d, key)
         if key == "sliding_window" and "sliding_attention" not in want_types:
             ours = None
-        value = _export_value(meta, key)
-        if value is not None and key in _DFLASH_CONFIG_KEYS:
-            value = int(value)
-        if value != ours:
+        try:
+            value = _export_value(meta, key)
+            if value is not None and key in _DFLASH_CONFIG_KEYS:
+                value = int(value)
+            wrong = _wrong_type(key, value)
+        except (TypeError, ValueError):  # e.g. layer_types 5: not even readable as the key
+            value, wrong = meta.get(key, (meta.get("dflash_config") or {}).get(key)), f"not readable as drafter.{key}"
+        if wrong:  # a damaged or edited config.json: no --set makes a drafter of it
+            diffs.append(f"drafter.{key}: the export's config.json has {json.dumps(value)}, {wrong}: the export is "
+                         "damaged or was edited; export its run again (`dflash export RUN DIR`)")
+        elif value != ours:
             shown = json.dumps(value)
             diffs.append(f"drafter.{key}: the export has {shown}, the config {json.dumps(ours)}; set drafter.{key}: "
                          f"{shown} (--set drafter.{key}={shown.replace(' ', '')})")

@@ -118,3 +118,51 @@ def test_a_master_port_that_is_no_tcp_port_is_refused_before_the_run_dir(port, t
     line = refused(["--config", TINY, "--devices", "2"], tmp_path)
     assert line == (f"error: MASTER_PORT={port!r} is not a TCP port: set it to a free port in 1..65535 (node 0's, "
                     "the same on every node), or unset it for a one-node run")
+
+
+def _export(tmp_path: Path) -> Path:
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.drafter import DFlashDrafter, DrafterArch
+    from pipeline.export import export_drafter
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterArch.from_config(load_config(TINY).drafter, [1, 3, 5]))
+    out = export_drafter(drafter, None, tmp_path / "export", vocab_size=576, num_target_layers=8, dtype="float32")
+    (out / "checksums.sha256").unlink()  # a hand-edited export: its checksums would name the edit first
+    return out
+
+
+def test_an_exports_value_of_the_wrong_type_is_not_offered_as_a_set_fix(tmp_path):
+    import json
+
+    from pipeline.config import load_config
+    from stages.init_from import differences
+
+    meta = json.loads((_export(tmp_path) / "config.json").read_text())
+    meta["num_attention_heads"], meta["head_dim"] = [4], "32"
+    text = "\n".join(differences(load_config(TINY), {"hidden_size": 128, "target": {"vocab_size": 576}}, [1, 3, 5],
+                                 meta))
+    assert "--set drafter.num_attention_heads" not in text and "--set drafter.head_dim" not in text
+    assert ("drafter.num_attention_heads: the export's config.json has [4], not an integer: the export is damaged or "
+            "was edited; export its run again (`dflash export RUN DIR`)") in text
+    assert "drafter.head_dim: the export's config.json has \"32\", not an integer" in text
+
+
+@pytest.mark.parametrize("damage", ["header", "config.json"])
+def test_eval_of_a_damaged_export_is_one_line_before_its_report_dir(damage, tmp_path):
+    export = _export(tmp_path)
+    if damage == "header":  # a header length far past the file's end
+        with open(export / "model.safetensors", "r+b") as f:
+            f.write(b"\xff\xff\xff\xff\x00\x00\x00\x00")
+        where = f"{export / 'model.safetensors'} is not a readable safetensors file (Error while deserializing header"
+    else:
+        (export / "config.json").write_text('{"architectures": ["DFlashDraftModel"], ')
+        where = f"{export / 'config.json'} is not readable JSON ("
+    out = tmp_path / "report"
+    r = CliRunner().invoke(main, ["eval", str(export), "--config", TINY, "--out", str(out), "--device", "cpu"])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:") or "Traceback" in ln]
+    assert r.exit_code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {where}"), r.output
+    assert errors[0].endswith("the export is damaged or was edited: export the run again (`dflash export RUN DIR`)")
+    assert not out.exists()
