@@ -49,8 +49,15 @@ def export_dflash(
 
 def load_exported1(path: Path, meta: dict, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
     """A DFlashDraftModel directory -> (DFlashDrafter, DrafterArch, meta) (called by pipeline.export.load_exported)."""
+    from .archs import check_sizes  # (archs imports this file)
+    from .ckpt_io import require_regular
+
+    weights = Path(path) / "model.safetensors"
+    require_regular(weights, "export's weights file")
+    state = load_file(str(weights))
+    check_sizes(meta, {k: tuple(v.shape) for k, v in state.items()}, str(path),
+                lambda: DFlashDrafter(DrafterArch.from_exported(meta)))  # before any tensor is allocated
     arch = DrafterArch.from_exported(meta)
-    state = load_file(str(Path(path) / "model.safetensors"))
     expected = contract_keys(arch.num_hidden_layers)
     if sorted(state) != expected:
         extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))

@@ -92,7 +92,14 @@ def _require_contract(state: dict, arch: DFlash2Arch, what: str) -> None:
 def load_exported2(path: Path, meta: dict, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
     """A DFlash2DraftModel directory -> (DFlash2Drafter, DFlash2Arch, meta) (pipeline.export.load_exported calls
     this through the arch registry)."""
+    from .archs import check_sizes  # (archs imports this file)
+    from .ckpt_io import require_regular
+
+    weights = Path(path) / "model.safetensors"
+    require_regular(weights, "export's weights file")
+    state = load_file(str(weights))
+    check_sizes(meta, {k: tuple(v.shape) for k, v in state.items()}, str(path),
+                lambda: DFlash2Drafter(DFlash2Arch.from_exported(meta)))  # before any tensor is allocated
     arch = DFlash2Arch.from_exported(meta)
-    state = load_file(str(Path(path) / "model.safetensors"))
     _require_contract(state, arch, f"{path}/model.safetensors")
     return finish_load(path, meta, DFlash2Drafter(arch), state, device, dtype)

@@ -29,8 +29,9 @@ def load_checkpoint_drafter(ckpt_path: str, device: str | torch.device = "cpu") 
     if meta is None:
         raise FileNotFoundError(f"{ckpt_path} is not a dflash training checkpoint (no 'dflash' metadata)")
     meta.setdefault("step", int(ckpt.get("global_step", 0)))  # checkpoints written before the key existed
-    drafter = drafter_from_arch_dict(meta["arch"])  # of the arch recorded (pipeline/archs.py)
     state = {k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
+    # of the arch recorded (pipeline/archs.py), its sizes checked against the weights before anything is built
+    drafter = drafter_from_arch_dict(meta["arch"], state, where=str(ckpt_path))
     drafter.load_state_dict(state)
     return drafter.to(device).eval(), meta
 
