@@ -11,7 +11,7 @@ Contract:
   re-raises), else None; `disk_full_message(err, path, resume)` is the one line `DiskFull` carries: the file
   refused, its disk (mount point, free space) and the command that resumes once space is freed.
 - `check_target_path(path, key)` refuses a local target path that is missing, not a directory, unreadable or
-  without config.json, as one line naming the path and the config key (extract and regenerate: before any
+  without a JSON config.json, as one line naming the path and the config key (extract and regenerate: before any
   transformers traceback).
 - `usable_cores()` is the number of cores this process may run on (its CPU affinity, which a scheduler's
   cgroup sets), not the machine's count.
@@ -151,6 +151,12 @@ def check_target_path(path: str, key: str = "target.path") -> None:
     if not os.access(p, os.R_OK | os.X_OK) or not os.access(p / "config.json", os.R_OK):
         what = "has no config.json" if not (p / "config.json").exists() else "is not readable by this user"
         raise PreflightError(f"{key} {path} {what}; {fix}")
+    try:
+        if not isinstance(json.loads((p / "config.json").read_text()), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"{key} {path}: its config.json is not readable JSON ({str(e).splitlines()[0]}); "
+                             f"{fix}") from None
 
 
 class DiskFull(UserError, OSError):

@@ -93,6 +93,9 @@ def target_fingerprint(path: str) -> dict:
     sharding, a tensor rewritten in place); weights_hash says how it was computed ("content", or "index" for a
     hub id whose files are neither local nor listed with hashes)."""
     d = local_target_dir(path)
+    from pipeline.ckpt_io import require_regular
+
+    require_regular(d / "config.json", "target's config.json")  # a FIFO would block the read forever
     cfg_text = (d / "config.json").read_text()
     cfg = json.loads(cfg_text)
     cfg_hash = _sha256_bytes(json.dumps(cfg, sort_keys=True).encode())
@@ -132,10 +135,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     check_target_path(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise PreflightError(f"target.path {path}: its tokenizer cannot be loaded ({first}); set target.path to a "
-                             "checkpoint directory with config.json and tokenizer files, or a reachable hub id") from None
+    except Exception as e:  # noqa: BLE001 - transformers and the hub raise many kinds (a config value's type, ...)
+        detail = " ".join(x.strip() for x in str(e).strip().splitlines()[:2]) or type(e).__name__
+        raise PreflightError(f"target.path {path}: transformers cannot load its config and tokenizer "
+                             f"({type(e).__name__}: {detail}); set target.path to an intact checkpoint directory "
+                             "(config.json and tokenizer files) or a reachable hub id") from None
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:

@@ -91,6 +91,24 @@ def test_a_bad_target_path_is_one_line_naming_the_path_and_the_key(command, kind
     assert "set target.path (in the config or --set target.path=DIR)" in line
 
 
+@pytest.mark.parametrize("edit,text", [
+    (lambda cfg: "{not json", "its config.json is not readable JSON (Expecting property name"),
+    (lambda cfg: cfg.replace('"num_hidden_layers": 8', '"num_hidden_layers": "eight"'),
+     "transformers cannot load its config and tokenizer (StrictDataclassFieldValidationError: Validation error for "
+     "field 'num_hidden_layers':"),
+])
+def test_a_target_config_json_with_odd_values_is_one_line(edit, text, tmp_path):
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(TINY_TARGET, target, ignore=shutil.ignore_patterns("*.safetensors"))  # the weights are not read
+    original = (target / "config.json").read_text()
+    assert '"num_hidden_layers": 8' in original
+    (target / "config.json").write_text(edit(original))
+    line = refused(["--config", TINY, "--shards", "1", "--set", f"target.path={target}"], tmp_path, command="extract")
+    assert line.startswith(f"error: target.path {target}") and text in line, line
+
+
 def test_a_target_layer_past_the_targets_depth_is_refused_before_the_store_is_made(tmp_path):
     line = refused(["--config", TINY, "--shards", "1", "--set", "target.layer_ids=[1,3,50]",
                     "--set", "data.max_samples=8"], tmp_path, command="extract")
@@ -166,3 +184,15 @@ def test_eval_of_a_damaged_export_is_one_line_before_its_report_dir(damage, tmp_
     assert r.exit_code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {where}"), r.output
     assert errors[0].endswith("the export is damaged or was edited: export the run again (`dflash export RUN DIR`)")
     assert not out.exists()
+
+
+@pytest.mark.slow  # the session's tiny store (tests/conftest.py), extracted once
+def test_train_refuses_a_target_layer_past_the_stores_target_before_the_run_dir(tiny_store, tmp_path):
+    run = tmp_path / "run"
+    r = CliRunner().invoke(main, ["train", "--config", TINY, "--store", tiny_store, "--set", f"train.run_dir={run}",
+                                  "--set", "target.layer_ids=[1,3,50]"])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:") or "Traceback" in ln]
+    assert r.exit_code == 2 and errors == [
+        "error: target.layer_ids [50] out of range for a target with 8 layers: use ids in 0..7, or leave "
+        "target.layer_ids unset (target.num_feature_layers picks them)"], r.output
+    assert not run.exists()
