@@ -280,7 +280,9 @@ def test_an_export_runs_spec_generate_without_dflash(drafter, tmp_path):
 
 
 def test_no_stray_copy_of_the_rules_in_the_modeling_file():
-    """spec_generate calls the shipped rules; its old private copies (_accept, _probs) are gone."""
+    """spec_generate calls the shipped rules, the online eval's own (tests/test_drafting_rule.py); its old private
+    copies (_accept, _probs, _pick) are gone."""
     text = (ROOT / "pipeline/modeling_dflash.py").read_text()
-    assert not re.search(r"def _(accept|probs)\b", text)
-    assert "greedy_accept(" in text and "verify(" in text and "draft_hidden(" in text
+    assert not re.search(r"def _(accept|probs|pick)\b", text)
+    for rule in ("accept_step(", "target_token(", "draft_tokens(", "draft_hidden("):
+        assert rule in text, rule
