@@ -11,8 +11,11 @@ Contract:
   past it; a shard that has not started, or stopped, holds the stream up.
 - Waiting: when the stream runs short, `stream_batch` polls the store (0.2 s rising to 2 s), and rank 0
   prints what it waits for after 5 s and then every 30 s: samples needed and usable, the shard holding the
-  stream up, and the extraction's last status. It never gives up: training waits while extraction is stopped and goes
-  on when extraction is resumed (Ctrl-C stops the training as usual).
+  stream up, and the extraction's last status. By default it never gives up: training waits while extraction is
+  stopped and goes on when extraction is resumed (Ctrl-C stops the training as usual). With `timeout_s`
+  (train.follow_timeout_s) a wait that sees no new commit for that long raises `FollowTimeout`: one line naming
+  the committed sample count and the two ways forward (resume the extraction, or `dflash train --committed-only`,
+  which trains on the committed samples as on a finished store).
 - Validation: extraction writes each shard's validation samples first (stages/extract_worker.py records how
   many batches they fill), so the whole validation split is readable after the shards' first batches.
 """
@@ -32,6 +35,11 @@ from pipeline import store as st
 WAIT_FIRST_REPORT_S, WAIT_REPORT_S = 5.0, 30.0  # short waits at the frontier stay quiet
 
 
+class FollowTimeout(st.StoreDataError):
+    """A following run saw no new commit for train.follow_timeout_s seconds. A StoreDataError for its message
+    handling only: raised in a loader worker, it reaches the training process as the same one line."""
+
+
 class StreamSlot(NamedTuple):
     """Slot j of global batch g of a stream epoch (batches of `size`, drawn with a shuffle buffer of `buffer`
     samples), whose round ends at global batch `round_end`. The sampler deals slots without waiting; a loader
@@ -48,8 +56,9 @@ class StreamSlot(NamedTuple):
 class GrowingStore:
     """What a training run may read of a store still being written; also the sampler's sample source."""
 
-    def __init__(self, path: str, report: bool = True, say: Callable[[str], None] = None):
-        self.path, self.report = path, report
+    def __init__(self, path: str, report: bool = True, say: Callable[[str], None] = None,
+                 timeout_s: Optional[float] = None):
+        self.path, self.report, self.timeout_s = path, report, timeout_s
         self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
         self.attrs = st.read_root_attrs(path)
         if self.attrs is None:
@@ -196,18 +205,32 @@ class GrowingStore:
         if ready() or (self.refresh() and ready()):
             return
         delay, started = 0.2, time.time()
-        last = started - WAIT_REPORT_S + WAIT_FIRST_REPORT_S
+        last, new = started - WAIT_REPORT_S + WAIT_FIRST_REPORT_S, started
         while not ready():
             if time.time() - last >= WAIT_REPORT_S:
                 last = time.time()
                 if self.report:
                     self.say(self.waiting_line(samples, time.time() - started))
+            if self.timeout_s is not None and time.time() - new >= self.timeout_s:
+                raise FollowTimeout(self.timeout_line(samples))
             time.sleep(delay)
-            delay = 0.2 if self.refresh() else min(2.0, delay * 1.5)
+            grew = self.refresh()
+            delay, new = (0.2, time.time()) if grew else (min(2.0, delay * 1.5), new)
+
+    def committed(self) -> int:
+        """Samples committed in all (training and validation), as the shards' commit records say."""
+        return sum(p.committed_samples for p in self.progress if p is not None)
+
+    def timeout_line(self, samples: Optional[int]) -> str:
+        need = "the finished store" if samples is None else f"{samples} training samples in commit order"
+        return (f"no new sample was committed to {self.path} for {self.timeout_s:g} s (train.follow_timeout_s) while "
+                f"training waited for {need}: {self.committed()} samples are committed; resume the extraction "
+                "(rerun the same `dflash extract`) and rerun this training (with --resume once it has a checkpoint), "
+                "or train on the committed samples alone: the same `dflash train` with --committed-only")
 
     def waiting_line(self, samples: Optional[int], waited: float) -> str:
         have = len(self.stream)
-        committed = sum(p.committed_samples for p in self.progress if p is not None)
+        committed = self.committed()
         why = ""
         if self.blocked is not None:
             i, p = self.blocked, self.progress[self.blocked]

@@ -40,12 +40,14 @@ from pipeline.store import SampleRef, StoreReader
 class StoreDataset(torch.utils.data.Dataset):
     def __init__(self, store_path: str, indices: list[int], num_anchors: int, seed: int,
                  fixed_anchors: bool = False, growing: bool = False,
-                 wait_log: Optional[str] = None, anchors_per_token: Optional[float] = None):
+                 wait_log: Optional[str] = None, anchors_per_token: Optional[float] = None,
+                 follow_timeout_s: Optional[float] = None):
         self.store_path, self.indices = store_path, list(indices)
         self.num_anchors, self.seed, self.fixed_anchors = num_anchors, seed, fixed_anchors
         self.growing = growing  # growing: the store may still be written (--follow)
         self.anchors_per_token = anchors_per_token  # None: num_anchors each; r: ~r per labelled token (masks.py)
         self.wait_log = wait_log  # where a worker waiting for extraction says so (rank 0's log), besides stderr
+        self.follow_timeout_s = follow_timeout_s  # a wait without a new commit this long fails (data/follow.py)
         self._reader: Optional[StoreReader] = None
         self._stream: Optional[GrowingStore] = None
 
@@ -57,7 +59,8 @@ class StoreDataset(torch.utils.data.Dataset):
     @property
     def stream(self) -> GrowingStore:
         if self._stream is None:
-            self._stream = GrowingStore(self.store_path, report=self.wait_log is not None, say=self._say)
+            self._stream = GrowingStore(self.store_path, report=self.wait_log is not None, say=self._say,
+                                        timeout_s=self.follow_timeout_s)
         return self._stream
 
     @property

@@ -157,6 +157,9 @@ class TrainConfig:
     seed: int = 0
     export_checkpoint: str = "best"  # which checkpoint the end of training exports: best (by val tau) | last
     follow_buffer: int = 1024  # a following run's first epoch draws each batch at random from the next N committed samples
+    # a following run that waits this many seconds without a new commit stops with one line (the extraction looks
+    # stopped: resume it, or train on what is committed with --committed-only); null: wait as long as it takes
+    follow_timeout_s: Optional[float] = None
     # a finished store's epoch: 0 = batches of the plain shuffled order; N > 0 = sorted by length inside windows
     # of batch_size * N shuffled samples (less padding when batch_size > 1, but lower tau: docs/benchmarks.md)
     length_group_factor: int = 0

@@ -118,6 +118,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("train", "log_every"): COUNT,
     ("train", "seed"): SEED,
     ("train", "follow_buffer"): Range(0, text="0 or more (samples)"),
+    ("train", "follow_timeout_s"): Range(0, lo_open=True, text="positive (seconds), or null to wait as long as it takes"),
     ("train", "length_group_factor"): Range(0, text="0 (no grouping by length) or more (batches per window)"),
     ("train", "pack_tokens"): Range(1, MAX_PACK_TOKENS, text=f"in [1, {MAX_PACK_TOKENS}] (tokens of one packed row, "
                                     "its features and logits on one GPU), or null for data.max_length"),

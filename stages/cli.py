@@ -212,6 +212,8 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
               "(kept in $DFLASH_COMPILE_CACHE or ~/.cache/dflash/compile, shared by runs).")
 @click.option("--follow", is_flag=True, help="Train while `dflash extract` still writes the store (waits for it to "
               "appear); an unfinished store is followed anyway.")
+@click.option("--committed-only", "committed_only", is_flag=True, help="Train on the samples an unfinished store "
+              "has committed now, as on a finished store, instead of following its extraction (stopped for good).")
 @click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
               metavar="EXPORT_DIR", help="Start a new run from an exported drafter's weights (RUN/export or a published "
               "DFlash checkpoint) with a fresh optimizer and schedule; unlike --resume, which continues this run.")

@@ -76,6 +76,7 @@ TRAIN_NOT_FORWARDED = {
     "no_export": "the run exports its drafter at the end, as `dflash train` does by default",
     "rebuild_compile_cache": "a one-off: run `dflash train --rebuild-compile-cache` by itself for it",
     "init_from": "`--set drafter.init_from=EXPORT_DIR` reaches the training through --set",
+    "committed_only": "`dflash run` trains beside its own extraction, which it follows to the end",
 }
 EXTRACT_FORWARDED = {"config_path": "--config", "overrides": "--set", "store": "--store", "shards": "--shards",
                      "gpus": "--gpus"}

@@ -80,6 +80,7 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
     if not train.planned:
         raise TrainError(f"the store at {store_path} has no training samples")
     growing = isinstance(reader, GrowingStore)
+    partial_store = growing or not all(p.done for p in reader.progress.values())  # --committed-only: what is committed
     a_mult = max(1, 128 // cfg.drafter.block_size) if pad_multiple > 1 else 1
     n_anchor = int(-(-t.num_anchors // a_mult) * a_mult)
     col = partial(collate, pad_multiple=pad_multiple, num_anchors=n_anchor)
@@ -89,8 +90,8 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
 
         col = partial(collate_packed, pack_tokens=packing, pad_multiple=pad_multiple, anchor_multiple=n_anchor)
     wait_log = str(Path(t.run_dir) / "logs" / "rank0.log") if growing and rank == 0 else None  # waits said there
-    train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=growing, wait_log=wait_log,
-                            anchors_per_token=anchors_per_token(cfg))  # validation keeps the fixed rule: comparable
+    train_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, growing=partial_store, wait_log=wait_log,
+                            anchors_per_token=anchors_per_token(cfg), follow_timeout_s=t.follow_timeout_s)  # validation keeps the fixed rule: comparable
     sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs,
                                buffer=t.follow_buffer, group_factor=t.length_group_factor, pack_tokens=packing,
                                accumulate=t.accumulate_grad_batches)
@@ -107,7 +108,7 @@ def _dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pa
                                                           cfg.drafter.block_size, t.gamma, b.get("doc_ids"))
     val_dl = None
     if val:
-        val_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, fixed_anchors=True, growing=growing)
+        val_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, fixed_anchors=True, growing=partial_store)
         val_sampler = RankBatchSampler(FixedSamples(val), t.batch_size, rank, world, t.seed, shuffle=False)
         # validation stays one sample per row (the unpacked collate): val metrics comparable with or without packing
         val_kw = {**kw, "persistent_workers": False, "collate_fn": partial(collate, pad_multiple=pad_multiple,
@@ -135,9 +136,10 @@ def _checkpoint_state(path: Path) -> dict:
 
 
 def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optional[dict], launcher: bool, rank: int,
-                world: int):
+                world: int, committed_only: bool = False):
     """(root attrs, reader, stream epochs, head check): a finished store's reader, or a growing store once it is
-    trainable; `head check()` waits for the frozen head's checksum (a background thread) and raises if it failed."""
+    trainable; `head check()` waits for the frozen head's checksum (a background thread) and raises if it failed.
+    `committed_only`: an unfinished store's committed samples are read as a finished store's (no following)."""
     from data.follow import GrowingStore, min_start_samples, wait_for_store
 
     try:
@@ -152,6 +154,14 @@ def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Option
         attrs = wait_for_store(store_path, say=None if rank == 0 else (lambda _m: None))
     check_store_matches(cfg, attrs)
     unfinished = _unfinished_shards(store_path, attrs)
+    if committed_only and follow:
+        raise TrainError("--committed-only trains on the samples committed now and --follow waits for more: pass one")
+    if unfinished and committed_only:
+        reader = st.StoreReader(store_path, require_complete=False)
+        if launcher:
+            print(f"train: --committed-only: training on the {len(reader.samples)} samples committed to {store_path} "
+                  f"(shard(s) {unfinished} not finished), as on a finished store", file=sys.stderr, flush=True)
+        return attrs, reader, (), start_frozen_head_check(store_path)
     if unfinished and not follow:
         if launcher:
             print(f"train: the store at {store_path} is still being written (shard(s) {unfinished} not finished): "
@@ -170,8 +180,8 @@ def _open_store(cfg: Config, store_path: str, follow: bool, resume_state: Option
         return attrs, st.StoreReader(store_path), stream_epochs, head_check
     head_check = start_frozen_head_check(store_path)  # written (checksum first) before any shard's first batch
     head_check()  # at once: a following run may wait long for samples, and a bad head must not wait with it
-    growing = GrowingStore(store_path, report=rank == 0)
     t = cfg.train
+    growing = GrowingStore(store_path, report=rank == 0, timeout_s=t.follow_timeout_s)
     saved_buffer = saved.get("buffer", t.follow_buffer)  # a resumed run draws as it did
     growing.wait_until_trainable(min_start_samples(world, t.batch_size, t.accumulate_grad_batches) + saved_buffer)
     return attrs, growing, stream_epochs, head_check
@@ -254,14 +264,14 @@ def ddp_strategy(cfg: Config, use_gpu: bool, multi_node: bool = False):
 def run_train(cfg: Config, *, store: Optional[str] = None, gpus: Optional[list[int]] = None,
               devices: Optional[int] = None, resume: bool = False, command: str = "dflash train", export: bool = True,
               rebuild_compile_cache: bool = False, follow: bool = False, init_from: Optional[str] = None,
-              num_nodes: Optional[int] = None) -> int:
+              num_nodes: Optional[int] = None, committed_only: bool = False) -> int:
     """`dflash train`; a disk that fills (a checkpoint, the logs, the export) ends it with one line naming the
     disk and the resume command (pipeline.preflight.DiskFull, exit 2), not Lightning's traceback."""
     from pipeline.preflight import DiskFull, disk_full_error, disk_full_message
 
     try:
         return _train(cfg, store, gpus, devices, resume, command, export, rebuild_compile_cache, follow, init_from,
-                      num_nodes)
+                      num_nodes, committed_only)
     except BaseException as e:
         full = disk_full_error(e)
         if full is None:
@@ -271,7 +281,7 @@ def run_train(cfg: Config, *, store: Optional[str] = None, gpus: Optional[list[i
 
 def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices: Optional[int], resume: bool,
            command: str, export: bool, rebuild_compile_cache: bool, follow: bool, init_from: Optional[str],
-           num_nodes: Optional[int]) -> int:
+           num_nodes: Optional[int], committed_only: bool = False) -> int:
     from stages.train_startup import StartupPhases
 
     phases = StartupPhases()  # each start-up phase's seconds, one line at the first batch (issue 31 item 1)
@@ -333,7 +343,17 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
     from stages.train_batch import plan_changed, realign_callback, resume_accumulate
 
     resume_accumulate(cfg, resume_state, world, say=rank == 0)  # the global batch kept on another world size
-    attrs, reader, stream_epochs, head_check = _open_store(cfg, store_path, follow, resume_state, launcher, rank, world)
+    try:
+        attrs, reader, stream_epochs, head_check = _open_store(cfg, store_path, follow, resume_state, launcher, rank,
+                                                               world, committed_only)
+    except KeyboardInterrupt:  # Ctrl-C while waiting for extraction, before the first step: no "Aborted!"
+        from pipeline.lifecycle import ExitCode
+
+        done = (f"resume with: {resume_command(command)}" if resume else
+                f"no step was trained, so nothing to resume; start again with: {command}")
+        print(f"train: stopped while waiting for the store at {store_path} before the first step; {done}",
+              file=sys.stderr, flush=True)
+        return ExitCode.STOPPED
     phases.mark("store checks")
     # Lightning and the training module (~5 s of imports) load while the head's checksum runs in its thread
     import lightning as L
