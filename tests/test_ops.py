@@ -105,13 +105,12 @@ def test_sigterm_stops_everything_and_rerun_resumes(tmp_path):
     store = str(tmp_path / "s.zarr")
     p = _start(store)
     _wait_commits(store)
-    t0 = time.time()
     p.send_signal(signal.SIGTERM)
-    rc = p.wait(timeout=30)
+    rc = p.wait(timeout=HANG_S)  # a hang guard: that it stopped before the end is what `status` says below
     err = p.stderr.read()
-    assert rc == 130 and time.time() - t0 < 20
+    assert rc == 130
     assert "resume with the same command" in err
-    assert _gone(store, 5)
+    assert _gone(store, HANG_S)  # its workers went with it (each commits its batch first)
     s = subprocess.run([sys.executable, "-m", "stages.cli", "status", store], cwd=ROOT, env=ENV,
                        capture_output=True, text=True)
     assert s.returncode == 0 and "stopped" in s.stdout and "shard 0" in s.stdout
@@ -182,13 +181,11 @@ time.sleep(60)                                          # a teardown waiting on 
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, preexec_fn=_as_foreground_job)
     assert p.stdout.readline().strip() == "tearing down"
-    t0 = time.time()
     p.send_signal(signal.SIGINT)
     rc = p.wait(timeout=HANG_S)
     err = p.stderr.read()
-    # forced: well before the 60 s teardown ends (an unforced exit would also return 0, not 130); not a tight
-    # bound, so that a busy shared machine cannot fail it
-    assert rc == 130 and time.time() - t0 < 45
+    # forced: an unforced exit waits out the teardown and returns 0, never 130 (no clock: a busy machine is slow)
+    assert rc == 130
     assert "press Ctrl-C again to force" in err and "forced stop" in err
 
 
