@@ -9,7 +9,8 @@ Contract:
 - `error_behind`: an error raised while Lightning tears down after an error the user can act on is reported as
   that error (exit 2 and its message, not the teardown's traceback).
 - `end_stopped_run`: the stopped run's last words: the error a stop cut short named in one line, the ranks
-  Lightning started killed, a checkpoint being written kept whole, the resume hint; then exit 130
+  Lightning started killed, a checkpoint being written kept whole, the step the resume continues from (the last
+  checkpoint's, `resume_from`) and the resume hint; then exit 130
   (`ExitCode.STOPPED`; returned by a rank Lightning started, `os._exit` in the job's own process).
 Nothing here prints progress (stages/progress.py) or touches the training math.
 """
@@ -142,6 +143,24 @@ class SigtermLikeCtrlC(L.Callback):
         signal.signal(signal.SIGTERM, handler)
 
 
+def resume_from(ckpt_dir, step: int, hint: str) -> str:
+    """Where the resume of a run stopped at `step` continues: its last checkpoint's step (the steps after it are
+    trained again), or, before the first checkpoint, that there is nothing to resume (`hint` without --resume)."""
+    from pipeline.ckpt_io import load_training_checkpoint
+
+    last = os.path.join(str(ckpt_dir), "last.ckpt")
+    if not os.path.exists(last):
+        return (f"no checkpoint was written before the stop, so nothing to resume; start again with: "
+                f"{hint.removesuffix(' --resume')}")
+    try:
+        saved = int(load_training_checkpoint(last, mmap=True).get("global_step", 0))
+    except Exception as e:  # noqa: BLE001  the stop's last words must not fail: the resume names the problem
+        return f"its last checkpoint {last} could not be read ({type(e).__name__}); resume with: {hint}"
+    again = f" (steps {saved + 1}-{step} are trained again)" if step > saved else ""
+    return (f"the resume continues from step {saved}, the last checkpoint's{again}; checkpoints in {ckpt_dir} are "
+            f"kept; resume with: {hint}")
+
+
 def end_stopped_run(exc: BaseException, trainer, *, launcher: bool, ckpt_dir, hint: str) -> int:
     """After `stopped_by_user(exc, trainer)`: say what the stop cut short, keep the checkpoint being written, print
     the resume hint, and exit 130 (`launcher`: the job's own process leaves at once; a rank Lightning started
@@ -158,8 +177,8 @@ def end_stopped_run(exc: BaseException, trainer, *, launcher: bool, ckpt_dir, hi
         wait_for_checkpoints(trainer)  # a checkpoint being written when the stop came is kept whole
     except Exception as w:  # noqa: BLE001  its temporary file is gone; the previous checkpoint is kept
         print(f"train: the checkpoint being written when the run stopped failed: {w}", file=sys.stderr)
-    print(f"train: stopped at step {trainer.global_step}; checkpoints in {ckpt_dir} are kept; "
-          f"resume with: {hint}", file=sys.stderr)
+    print(f"train: stopped at step {trainer.global_step}; {resume_from(ckpt_dir, trainer.global_step, hint)}",
+          file=sys.stderr)
     if not launcher:  # a rank Lightning started: the launcher ends it (a rank leaving first had every
         return ExitCode.STOPPED  # process SIGKILLed by the launcher's observer: -9)
     # the job's process: the stop is complete and nothing is left to write, so leave now. Python's

@@ -1,6 +1,6 @@
 """Training on a stopped, unfinished extraction (issue 43 item 3): train.follow_timeout_s gives up in one line naming
 the committed samples and the two ways forward, --committed-only trains on what is committed, and Ctrl-C while
-waiting prints how to start again instead of click's "Aborted!". The unfinished store is the session's tiny store
+waiting prints how to start again instead of click's "Aborted!"; a stop names the step its resume continues from. The unfinished store is the session's tiny store
 with shard 1's commit record set back to half its samples and not done, as a stopped extraction leaves it."""
 
 from __future__ import annotations
@@ -93,3 +93,26 @@ def test_ctrl_c_while_waiting_says_how_to_start_again(stopped_store, tmp_path):
     assert "Aborted!" not in rest and "Traceback" not in rest
     assert (f"train: stopped while waiting for the store at {stopped_store} before the first step; no step was "
             "trained, so nothing to resume; start again with: dflash train ") in rest, rest[-3000:]
+
+
+def test_a_stop_says_from_which_step_the_resume_continues(tmp_path, capsys):
+    """A stopped run's last line names the last checkpoint's step: the steps after it are trained again."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stages.train_stop import end_stopped_run
+
+    ckpts, hint = tmp_path / "checkpoints", "dflash train --config c.yaml --resume"
+    trainer = SimpleNamespace(global_step=7, strategy=SimpleNamespace())
+    ckpts.mkdir()
+    assert end_stopped_run(KeyboardInterrupt(), trainer, launcher=False, ckpt_dir=ckpts, hint=hint) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "train: stopped at step 7; no checkpoint was written before the stop, so nothing to resume; start again "
+        "with: dflash train --config c.yaml")
+    torch.save({"global_step": 4}, ckpts / "step4.ckpt")
+    (ckpts / "last.ckpt").symlink_to("step4.ckpt")
+    end_stopped_run(KeyboardInterrupt(), trainer, launcher=False, ckpt_dir=ckpts, hint=hint)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"train: stopped at step 7; the resume continues from step 4, the last checkpoint's (steps 5-7 are trained "
+        f"again); checkpoints in {ckpts} are kept; resume with: {hint}")
