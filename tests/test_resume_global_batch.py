@@ -6,6 +6,7 @@ keeps the old behaviour (the config's accumulation, the global batch growing wit
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,6 +183,8 @@ def test_one_rank_accumulating_two_resumed_on_two_ranks_trains_the_same_steps(ti
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     before = _steps(run, [0], keep=lambda x: x["step"] < 4)
     (run / "logs" / "samples-rank0.jsonl").unlink()  # what the resumed ranks train is logged afresh
+    old = tmp_path / "old"  # the same checkpoint, resumed the old way (the global batch grows with the ranks)
+    shutil.copytree(run, old, symlinks=True)
     r = _cli(_args(tiny_store, run, "--devices", "2", "--resume"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming on 2 rank(s) (the checkpoint's 1): train.accumulate_grad_batches 1 (was 2)" in r.stderr
@@ -200,3 +203,10 @@ def test_one_rank_accumulating_two_resumed_on_two_ranks_trains_the_same_steps(ti
     loader = b["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert (loader["world_size"], loader["accumulate"], loader["batch_size"]) == (2, 1, 4)
     assert loader["global_done"] == 16 and loader["samples_done"] == 64
+    r = _cli(_args(tiny_store, old, "--devices", "2", "--resume", "--set", "train.keep_global_batch=false"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming on" not in r.stderr and "does not divide" not in r.stderr
+    grown = _steps(old, [0, 1])
+    assert sorted(grown) == [4, 5, 6, 7] and all(len(b) == 4 for b in grown.values())  # 2 ranks x 2 micro-batches
+    flat = lambda batches: sorted(i for b in batches for i in b)  # noqa: E731
+    assert flat(grown[4]) == flat(expected[4] + expected[5]) and flat(grown[5]) == flat(expected[6] + expected[7])
