@@ -84,3 +84,25 @@ def test_spec_generate_of_the_export_drafts_as_the_online_eval(arch, temperature
         lengths += got.acceptance_lengths
     if temperature > 0 and arch == "dflash":  # drafts from flat q and p are accepted at times: verify ran
         assert max(lengths) > 1
+
+
+def test_the_dflash2_export_drafts_with_its_selector_walk_greedy_and_sampled(tmp_path):
+    """The export's drafting decision is the drafter's `pick`: DFlash 2's walk, not the argmax, and sampling keeps
+    the walk (q None: one-hot for the rejection rule), as the online eval drafts."""
+    from transformers import AutoModel
+
+    from pipeline.acceptance import sampling_probs
+    from pipeline.drafter import draft_tokens
+
+    cfg = load_config(TINY)
+    export = export_drafter(_drafter("dflash2", cfg), None, tmp_path / "export", vocab_size=576, num_target_layers=8,
+                            tie_word_embeddings=True, dtype="float32")
+    hf = AutoModel.from_pretrained(str(export), trust_remote_code=True, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(7, 128, generator=g), torch.randn(576, 128, generator=g)
+    with torch.no_grad():
+        walk = hf.select(hidden[None], (hidden @ head.t())[None], torch.tensor([5]))[0].tolist()
+        greedy, q, _ = draft_tokens(hf, hidden, head, 5)
+        sampled, q_s, _ = draft_tokens(hf, hidden, head, 5, lambda x: sampling_probs(x, 1.0), g)
+    assert greedy == walk == sampled and q is None and q_s is None
+    assert walk != (hidden @ head.t()).argmax(-1).tolist()  # the walk is not the argmax here
