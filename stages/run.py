@@ -135,17 +135,10 @@ def status_line(store: str, run_dir: Path) -> str:
 def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], extract_gpus: str = "",
              train_gpus: str = "", devices: Optional[int] = None, store: Optional[str] = None,
              command: str = "dflash run", expand: bool = True) -> int:
-    from stages.run_expand import Handover, clear, hold, union_devices, where
+    from stages.run_expand import Handover, clear, hold, split_global_batch, union_devices, where
     from stages.train import resume_argv
 
-    xg, tg = parse_gpus(extract_gpus), parse_gpus(train_gpus)
-    if set(xg) & set(tg):
-        raise RunError(f"GPU(s) {sorted(set(xg) & set(tg))} are in both --extract-gpus and --train-gpus")
-    import torch
-
-    if (xg or tg) and not torch.cuda.is_available():
-        raise RunError("--extract-gpus/--train-gpus name GPUs, but this machine has none visible; leave both empty "
-                       "to run on the CPU")
+    xg, tg = _gpu_lists(extract_gpus, train_gpus)
     store_path = store or cfg.store.path
     run_dir = Path(cfg.train.run_dir)
     logs = run_dir / "logs"
@@ -159,23 +152,11 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
     all_gpus, all_cpus = union_devices(xg, tg, devices, len(xg) or cfg.extract.shards)
     direct, expanding = expand and complete, expand and not complete  # direct: nothing to extract, all devices train
     t_gpus, t_cpus = (all_gpus, all_cpus) if direct else (tg, devices or 1)
-    follows = run_dir / "logs" / "train-follows"  # this run's training began on an unfinished store
-    follow = not complete or (not resume and follows.exists())  # resumed: the checkpoint keeps its epochs
-    if follow and not complete:
-        follows.write_text("training started with --follow: a rerun before its first checkpoint follows too\n")
-
+    follow = _follow(run_dir, complete, resume)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t_sets = list(overrides)
-    if direct and not resume and cfg.train.keep_global_batch:  # the split's global batch, as an expansion keeps it
-        from stages.train_batch import nearest_accumulate
-
-        acc = cfg.train.accumulate_grad_batches
-        new_acc = nearest_accumulate(acc * (len(tg) or devices or 1), len(t_gpus) or t_cpus)
-        if new_acc != acc:
-            t_sets.append(f"train.accumulate_grad_batches={new_acc}")
-            say(f"run: the store is complete: training starts on {where(t_gpus, t_cpus)} with "
-                f"train.accumulate_grad_batches {new_acc} (was {acc}), the global batch of the split it replaces "
-                "(train.keep_global_batch=false: let it grow with the ranks)")
+    if direct and not resume:  # the split's global batch, as an expansion keeps it
+        t_sets += split_global_batch(cfg, len(tg) or devices or 1, t_gpus, t_cpus, say)
 
     def train_cmd(gpus: list[int], cpus: int, follow: bool, resume: bool) -> list[str]:
         cmd = child_argv("train", TRAIN_FORWARDED, **{**common, "overrides": t_sets},
@@ -198,16 +179,7 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
         else:
             say(f"\nrun: training failed (exit {rc}); extraction goes on (Ctrl-C stops it)")
 
-    def on_stop(n: int, _signum: int) -> None:
-        if n == 1:
-            say("\nrun: stopping both stages (Ctrl-C again to force)")
-
-    def supervisor() -> Supervisor:
-        # each child in its own process group: a terminal's Ctrl-C reaches this process only, which passes it on
-        # to each child exactly once (and a second one, which forces them); a child's exit is a failure unless 0
-        return Supervisor(signals="forward", quiet=(ExitCode.OK,), stop_codes=(ExitCode.STOPPED,),
-                          on_failure=on_failure, on_stop=on_stop)
-
+    supervisor = lambda: _supervisor(on_failure, say)  # noqa: E731
     children = supervisor()
     if not direct:
         children.spawn("extract", x_cmd, log=run_dir / "logs" / "run-extract.log", own_group=True)
@@ -244,6 +216,45 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
         if said:
             say("\n" + said)
     say(("\n" if tty else "") + status_line(store_path, run_dir))
+    return _report(end, store_path, run_dir, command, say)
+
+
+def _gpu_lists(extract_gpus: str, train_gpus: str) -> tuple[list[int], list[int]]:
+    xg, tg = parse_gpus(extract_gpus), parse_gpus(train_gpus)
+    if set(xg) & set(tg):
+        raise RunError(f"GPU(s) {sorted(set(xg) & set(tg))} are in both --extract-gpus and --train-gpus")
+    import torch
+
+    if (xg or tg) and not torch.cuda.is_available():
+        raise RunError("--extract-gpus/--train-gpus name GPUs, but this machine has none visible; leave both empty "
+                       "to run on the CPU")
+    return xg, tg
+
+
+def _follow(run_dir: Path, complete: bool, resume: bool) -> bool:
+    """Does the training child follow the store? (RUN/logs/train-follows: this run's training began on an
+    unfinished store; a resumed one keeps its checkpoint's epochs.)"""
+    follows = run_dir / "logs" / "train-follows"
+    follow = not complete or (not resume and follows.exists())
+    if follow and not complete:
+        follows.write_text("training started with --follow: a rerun before its first checkpoint follows too\n")
+    return follow
+
+
+def _supervisor(on_failure, say) -> Supervisor:
+    """Each child in its own process group: a terminal's Ctrl-C reaches this process only, which passes it on to
+    each child exactly once (and a second one, which forces them); a child's exit is a failure unless 0."""
+
+    def on_stop(n: int, _signum: int) -> None:
+        if n == 1:
+            say("\nrun: stopping both stages (Ctrl-C again to force)")
+
+    return Supervisor(signals="forward", quiet=(ExitCode.OK,), stop_codes=(ExitCode.STOPPED,), on_failure=on_failure,
+                      on_stop=on_stop)
+
+
+def _report(end, store_path: str, run_dir: Path, command: str, say) -> int:
+    """The run's last words and exit code from the children's `Outcome`."""
     if end.failed is not None:
         log = run_dir / "logs" / f"run-{end.failed}.log"
         say(f"run: {end.failed} failed (exit {end.codes[end.failed]}): {tail(log, 3)}\n  log: {log}\n  what is done "

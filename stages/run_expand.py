@@ -80,6 +80,22 @@ def union_devices(extract_gpus: list[int], train_gpus: list[int], devices: Optio
     return [], (devices or 1) + extract_shards
 
 
+def split_global_batch(cfg, split_world: int, gpus: list[int], cpus: int, say) -> list[str]:
+    """The `--set` a fresh training on all devices (the store was complete at the start) needs to train the
+    global batch the split would have (`train.keep_global_batch`), as an expansion's resume keeps it; said in one
+    line when it changes the accumulation."""
+    from stages.train_batch import nearest_accumulate
+
+    acc = cfg.train.accumulate_grad_batches
+    new = nearest_accumulate(acc * split_world, len(gpus) or cpus)
+    if not cfg.train.keep_global_batch or new == acc:
+        return []
+    say(f"run: the store is complete: training starts on {where(gpus, cpus)} with train.accumulate_grad_batches "
+        f"{new} (was {acc}), the global batch of the split it replaces (train.keep_global_batch=false: let it grow "
+        "with the ranks)")
+    return [f"train.accumulate_grad_batches={new}"]
+
+
 def where(gpus: list[int], cpus: int) -> str:
     return f"GPUs {','.join(map(str, gpus))}" if gpus else f"{cpus} CPU process(es)"
 

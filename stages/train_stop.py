@@ -98,7 +98,8 @@ class ForceOnSecondCtrlC(L.Callback):
             if os.environ.get("LOCAL_RANK", "0") != "0":
                 signal.signal(signal.SIGINT, lambda _s, _f: _exit_after_launcher(self.launcher_pid))
                 return
-            print("train: stopping after Ctrl-C (press Ctrl-C again to force)", file=sys.stderr, flush=True)
+            print(f"train: stopping after {StopRequest.reason or 'Ctrl-C'} (press Ctrl-C again to force)",
+                  file=sys.stderr, flush=True)
             signal.signal(signal.SIGINT, _force_exit)
 
 

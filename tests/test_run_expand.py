@@ -82,6 +82,9 @@ def test_run_expands_to_the_extraction_devices_and_trains_an_unexpanded_runs_ste
         assert line[k] is not None and line[k] >= 0, (k, line)
     assert f"run: expanded training from 1 CPU process(es) to 2 CPU process(es) at step {step}" in err
     assert "run: done: store" in err
+    train_log = (run / "logs" / "run-train.log").read_text()
+    assert f"train: handing over at step {step} (extraction finished)" in train_log
+    assert "train: stopping after the handover to more GPUs" in train_log and "Traceback" not in train_log
     # the unexpanded schedule: one rank following the finished store (its commit-order stream epoch depends only
     # on the store and the seed), accumulating 2 micro-batches per step
     ref = tmp_path / "ref"
