@@ -18,14 +18,20 @@ FLOORS = ("pipeline", "data", "stages")  # lowest first
 STORE_LAYER = {"pipeline.store", "pipeline.store_lock"}  # the only modules that may import zarr
 
 
-def _module_name(path: Path) -> str:
-    pkg = path.parent.name
-    return pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    """Dotted name from the tree root, subpackages included: pipeline/sub/a.py -> pipeline.sub.a."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files(root: Path, pkg: str) -> list[Path]:
+    """Every module of a package, its subpackages' too (a guard that reads only the top folder misses them)."""
+    return sorted(f for f in (root / pkg).rglob("*.py") if "__pycache__" not in f.parts)
 
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """module -> the project modules it imports (`from pkg import mod` counts as importing `pkg.mod`)."""
-    files = {_module_name(f): f for pkg in FLOORS for f in sorted((root / pkg).glob("*.py"))}
+    files = {_module_name(f, root): f for pkg in FLOORS for f in source_files(root, pkg)}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
@@ -54,7 +60,7 @@ def zarr_importers(root: Path = ROOT) -> set[str]:
     ...`, at the top or inside a function, or by name (`importlib.import_module("zarr")`, `__import__("zarr")`)."""
     found = set()
     for pkg in FLOORS:
-        for f in sorted((root / pkg).glob("*.py")):
+        for f in source_files(root, pkg):
             for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
                 if isinstance(node, ast.Import):
                     hit = any(_names_zarr(a.name) for a in node.names)
@@ -67,7 +73,7 @@ def zarr_importers(root: Path = ROOT) -> set[str]:
                 else:
                     hit = False
                 if hit:
-                    found.add(_module_name(f))
+                    found.add(_module_name(f, root))
     return found
 
 
@@ -140,12 +146,15 @@ def test_no_import_from_a_lower_floor_to_a_higher_one():
     ({"pipeline/a.py": "def f():\n    from stages import s\n", "stages/s.py": "x = 1\n"}, [], ["pipeline.a -> stages.s"]),
     ({"data/d.py": "from stages.s import z\n", "stages/s.py": "from data import d\n"},
      [["data.d", "stages.s"]], ["data.d -> stages.s"]),
+    ({"pipeline/sub/__init__.py": "", "pipeline/sub/a.py": "from stages.s import z\n", "stages/s.py": "x = 1\n"},
+     [], ["pipeline.sub.a -> stages.s"]),  # a subpackage is walked too
 ])
 def test_the_checks_find_what_they_look_for(tmp_path, files, expect_circle, expect_up):
     """The two checks on made-up trees: a lazy-import circle, relative imports, an upward import."""
     for pkg in FLOORS:
         (tmp_path / pkg).mkdir()
     for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     graph = import_graph(tmp_path)
     assert circles(graph) == expect_circle
@@ -169,5 +178,6 @@ def test_the_zarr_check_finds_every_form_of_import(tmp_path):
     for pkg in FLOORS:
         (tmp_path / pkg).mkdir()
     for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert zarr_importers(tmp_path) - STORE_LAYER == {"pipeline.a", "data.d", "stages.s", "stages.t", "stages.u"}
