@@ -97,6 +97,15 @@ def test_the_sampler_counts_done_steps_in_the_new_windows():
     assert [b for b in rounds if not b[0][2]] == list(ref)  # the same global batches, in order
 
 
+def test_samples_done_counts_packed_rows_samples():
+    """With packing a global batch is rows of several samples: samples_done counts the samples, not the rows."""
+    lengths = [40 + (i * 29) % 200 for i in range(120)]
+    s = RankBatchSampler(lengths, 2, seed=4, pack_tokens=512, accumulate=1)
+    batches = list(s)[:3]
+    s.consumed = 3
+    assert s.state_dict()["samples_done"] == sum(len(b) for b in batches) > 3 * 2
+
+
 def test_shift_batch_progress_moves_every_counter():
     ckpt = {"loops": {"fit_loop": {"epoch_loop.batch_progress": {
         "total": {"ready": 20, "completed": 19, "started": 20, "processed": 20},
