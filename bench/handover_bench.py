@@ -7,6 +7,10 @@ One GPU cannot hold both sides of `dflash run` (its GPU lists are disjoint), so 
 RUN/logs/handover.jsonl, printed and written to --out.
 
     python bench/handover_bench.py --root /tmp/hb --out OUT/handover.json [--set KEY=VALUE ...]
+    python bench/handover_bench.py --root /tmp/hb --e2e --out OUT/handover.json   # the 27B drafter shape
+
+`--e2e`: bench/train_e2e.py's store of random 27B-shaped features and configs/qwen3.6-27b.yaml instead of the tiny
+target's extraction; both processes share one compile cache, so the relaunch is warm, as `dflash run`'s is.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], help="a config override (repeatable)")
     ap.add_argument("--after", type=int, default=3, help="ask for the handover once this many steps are trained")
     ap.add_argument("--limit", type=float, default=200.0, help="seconds any one phase may take")
+    ap.add_argument("--e2e", action="store_true", help="the 27B drafter shape on random features (bench/train_e2e.py)")
+    ap.add_argument("--samples", type=int, default=24, help="--e2e: samples of the store")
     a = ap.parse_args(argv)
 
     import torch
@@ -52,10 +58,18 @@ def main(argv=None) -> int:
     store, run = root / "store.zarr", root / "run"
     logs = run / "logs"
     dev = ["--gpus", "0"] if torch.cuda.is_available() else ["--devices", "1"]
-    sets = [w for s in [*a.sets, f"train.run_dir={run}", "train.val_every=100000", "train.log_every=1"]
+    e2e = ["target.name=bench", "target.layer_ids=[1, 16, 31, 46, 61]", "train.epochs=1000"] if a.e2e else []
+    sets = [w for s in [*e2e, *a.sets, f"train.run_dir={run}", "train.val_every=100000", "train.log_every=1"]
             for w in ("--set", s)]
     cli = [sys.executable, "-m", "stages.cli"]
-    if not (store / "logs").exists():
+    env = {**os.environ, "DFLASH_COMPILE_CACHE": str(root / "compile-cache")}
+    if a.e2e:
+        a.config = str(ROOT / "configs" / "qwen3.6-27b.yaml")
+        if not (store / "zarr.json").exists():
+            from bench.train_e2e import build_store
+
+            build_store(store, a.samples, 3072, "int5", [1, 16, 31, 46, 61], 5120, 248320)
+    elif not (store / "zarr.json").exists():
         x = subprocess.run([*cli, "extract", "--config", a.config, "--store", str(store), *sets, "--shards", "1",
                             *(["--gpus", "0"] if dev[0] == "--gpus" else [])], cwd=ROOT, timeout=a.limit)
         if x.returncode:
@@ -69,7 +83,7 @@ def main(argv=None) -> int:
     train = [*cli, "train", "--config", a.config, "--store", str(store), *sets, *dev, "--no-export"]
     log = open(logs / "bench-train.log", "ab")
     first = subprocess.Popen(train, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, ENV_DIR: str(logs), ENV_FIRST: str(logs / FIRST_STEP)})
+                             env={**env, ENV_DIR: str(logs), ENV_FIRST: str(logs / FIRST_STEP)})
     progress = run / "progress.json"
 
     def trained(n: int) -> bool:
@@ -90,7 +104,7 @@ def main(argv=None) -> int:
     (logs / "handover-request.json").unlink()
     h.relaunched("the same device (stopped)", "the same device (resumed)")
     again = subprocess.Popen([*train, "--resume"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, ENV_FIRST: str(logs / FIRST_STEP)})
+                             env={**env, ENV_FIRST: str(logs / FIRST_STEP)})
     _wait(lambda: (logs / FIRST_STEP).exists(), again, "the relaunch's first step", a.limit)
     rec = h.record(json.loads((logs / FIRST_STEP).read_text()))
     again.terminate()  # the figures are in; its stop keeps a checkpoint, nothing more is measured

@@ -9,7 +9,9 @@ Contract:
   a CPU collective, no wait for the GPU), so all stop at the same step. Then: a step checkpoint still being
   written is finished, the step's checkpoint is written to RUN/checkpoints/last.ckpt and waited for
   (stages/progress.save_final, as at the end of a fit), rank 0 writes handover-stopped.json, and the ranks
-  stop the way Ctrl-C stops them (stages/train_stop.py: StopRequest, exit 130, the resume hint).
+  stop the way Ctrl-C stops them (stages/train_stop.py: StopRequest, exit 130, the resume hint). On a GPU the
+  weights and optimizer state are dropped first (the checkpoint holds them), as at the end of a fit
+  (stages/progress.FinalCheckpoint): Lightning's teardown would copy them to host memory before the exit.
 - The relaunched training's rank 0 writes handover-first-step.json (the time and the step) at the end of its
   first optimizer step.
 Nothing here touches the training math or the data position; the resume is stages/train.py's.
@@ -53,7 +55,7 @@ class HandoverCallback(L.Callback):
                 write_json(self.first_step, {"time": time.time(), "step": trainer.global_step})
             self.first_step = None
         if self.expanding and self._asked(trainer):
-            self._hand_over(trainer)
+            self._hand_over(trainer, pl_module)
 
     def _asked(self, trainer) -> bool:
         asked = (self.logs / REQUEST).exists()
@@ -65,7 +67,7 @@ class HandoverCallback(L.Callback):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
-    def _hand_over(self, trainer) -> None:
+    def _hand_over(self, trainer, pl_module) -> None:
         from stages.progress import save_final
         from stages.train_ckpt_io import wait_for_checkpoints
         from stages.train_stop import StopRequest
@@ -85,6 +87,11 @@ class HandoverCallback(L.Callback):
             print(f"train: handing over at step {trainer.global_step} ({request.get('reason', 'asked')}): checkpoint "
                   f"{last} in place in {time.time() - step_at:.1f} s; stopping so the run resumes on more GPUs",
                   file=sys.stderr, flush=True)
+        if trainer.strategy.root_device.type == "cuda":  # the checkpoint holds them: Lightning's teardown after
+            for opt in trainer.optimizers:  # the stop would copy them to host memory first (21 s at the 27B shape)
+                opt.state.clear()
+            for p in pl_module.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         StopRequest.record("the handover to more GPUs")
         raise KeyboardInterrupt("handover")  # Lightning's Ctrl-C path on every rank (stages/train_stop.py)
 
