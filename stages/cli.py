@@ -24,11 +24,12 @@ def _gpu_list(value: Optional[str]) -> Optional[list[int]]:
     what it has): asking for a GPU never silently runs on the CPU."""
     if value is None or value == "":
         return None
+    from stages.run import RunError, parse_gpus  # one reader of GPU lists: 0,1,2 and ranges such as 0-7
+
     try:
-        gpus = [int(x) for x in value.split(",") if x.strip() != ""]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected comma-separated GPU indices such as 0,1,2",
-                                 param_hint="'--gpus'") from None
+        gpus = parse_gpus(value)
+    except RunError as e:
+        raise click.BadParameter(str(e), param_hint="'--gpus'") from None
     if any(g < 0 for g in gpus):
         raise click.BadParameter(f"{value!r}: GPU indices are 0 or more", param_hint="'--gpus'")
     import os
@@ -137,7 +138,9 @@ def extract(config_path, overrides, shards, gpus, shard_index, store, plan):
         from stages.plan import run_plan
 
         if shards is None and gpus:
-            shards = len([g for g in gpus.split(",") if g.strip()])
+            from stages.run import parse_gpus
+
+            shards = len(parse_gpus(gpus))
         _run(run_plan, cfg, store=store, shards=shards, shard_index=shard_index)
     from stages.extract import run_extract
 
@@ -199,7 +202,7 @@ def regenerate(config_path, overrides, prompts, out, shards, gpus, servers):
 @main.command()
 @config_option
 @set_option
-@click.option("--gpus", default=None, help="GPUs for the DDP ranks, e.g. 5,6,7 (one process per GPU).")
+@click.option("--gpus", default=None, help="GPUs for the DDP ranks, e.g. 5,6,7 or 0-7 (one process per GPU).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Without GPUs: number of CPU processes (gloo DDP).")
 @click.option("--num-nodes", type=click.IntRange(min=1), default=None,

@@ -397,7 +397,9 @@ def test_a_writer_stops_when_the_shard_moved_on_under_its_lock(tmp_path):
     (["train", "--devices", "0"], "0 is not in the range x>=1"),
     (["extract", "--gpus", "0"], "no usable CUDA GPU"),
     (["train", "--gpus", "0,1"], "no usable CUDA GPU"),
-    (["train", "--gpus", "-1"], "GPU indices are 0 or more"),
+    (["train", "--gpus", "-1"], "expected GPU indices such as 0-4"),
+    (["train", "--gpus", "0-7"], "no usable CUDA GPU"),  # a range is a GPU list, as for `dflash run`
+    (["train", "--gpus", "0,0"], "names a GPU twice"),
 ])
 def test_cli_refuses_bad_counts_and_absent_gpus(tmp_path, monkeypatch, args, text):
     from click.testing import CliRunner
