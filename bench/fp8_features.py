@@ -34,8 +34,9 @@ def quantized_name(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith(".weight") and ".layers." in name and not any(k in name for k in KEEP_BF16)
 
 
-def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> int:
-    """An FP8 copy of the bf16 checkpoint `src` at `dst` (the other files copied); returns how many tensors."""
+def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 128), dtype=None) -> int:
+    """An FP8 copy of the bf16 checkpoint `src` at `dst` (the other files copied), its weights in `dtype` (None:
+    float8_e4m3fn; the config's `fmt` follows it); returns how many tensors."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -55,7 +56,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 12
             for k in fh.keys():
                 t = fh.get_tensor(k)
                 if quantized_name(k, t):
-                    out[k], out[scale_key(k)] = quantize(t, block)
+                    out[k], out[scale_key(k)] = quantize(t, block, **({"dtype": dtype} if dtype else {}))
                     scales[scale_key(k)] = f.name
                 else:
                     out[k] = t
@@ -66,7 +67,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 12
         idx["weight_map"].update(scales)
         index.write_text(json.dumps(idx))
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2" if "e5m2" in str(dtype) else "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": list(block), "modules_to_not_convert": list(KEEP_BF16)}
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return len(scales)

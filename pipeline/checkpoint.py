@@ -206,10 +206,10 @@ def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_laye
 def _real_weight(fh, key: str, names: dict[str, Path], dev: str, block, d: Path) -> torch.Tensor:
     """Tensor `key` of the open shard `fh`; an FP8 one dequantized with its `_scale_inv` (pipeline/fp8_weights.py),
     read from whichever shard holds it."""
-    from pipeline.fp8_weights import FP8, dequantize, scale_key
+    from pipeline.fp8_weights import dequantize, is_fp8, scale_key
 
     t = fh.get_tensor(key)
-    if t.dtype != FP8:
+    if not is_fp8(t):  # every float8 dtype (e4m3, e5m2, fnuz) is dequantized with its scale
         return t
     sk = scale_key(key)
     if block is None or sk not in names:
@@ -223,7 +223,7 @@ def _real_weight(fh, key: str, names: dict[str, Path], dev: str, block, d: Path)
     else:
         with safe_open(str(names[sk]), "pt", device=dev) as other:
             scale = other.get_tensor(sk)
-    return dequantize(t, scale, block)
+    return dequantize(t, scale, block, name=f"{d}: {key}")  # refusals name the tensor
 
 
 def read_frozen_head(d: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

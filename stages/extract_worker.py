@@ -220,10 +220,21 @@ def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches
     if stop.stop:
         emit("stopped", shard=shard_index, samples=writer.progress.committed_samples)
         return ExitCode.WORKER_STOPPED
+    _refuse_an_empty_shard(writer.progress, shard_index, cfg.target.path)  # never a "complete" 0-sample shard
     writer.finish()
     report(writer.progress)
     emit("done", shard=shard_index, already=False)
     return 0
+
+
+def _refuse_an_empty_shard(p, shard_index: int, target_path: str) -> None:
+    """A shard that planned samples and committed none (every one had NaN/Inf features: a broken target) is a
+    failure, left unfinished, never marked done: a StoreError, one line."""
+    if p.planned_samples and not p.committed_samples:
+        raise st.StoreError(f"shard {shard_index}: none of its {p.planned_samples} sample(s) was written "
+                            f"({p.nonfinite_skipped} had NaN/Inf features): the target at {target_path} computes "
+                            "non-finite hidden states; check its weights (a damaged download, an FP8 checkpoint's "
+                            "scales) and target.dtype, then rerun; the shard is not marked complete")
 
 
 def _log_kernels(root_attrs: dict) -> None:
