@@ -511,23 +511,74 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+# Keys that choose code to load or run (a target directory or hub id, its own modeling code, an attention kernel
+# fetched by name), or a path of weights. Only a config the user names (--config FILE, --set) sets them: a
+# checkpoint's embedded config never does (`resolve_config` drops them), and a run directory's config.yaml that
+# was found, not named, may not turn trust_remote_code on or pick another attention (`_refuse_found_code`).
+CODE_KEYS = (("target", "path"), ("target", "trust_remote_code"), ("target", "attn_implementation"),
+             ("drafter", "init_from"))  # (data files are read as data: JSONL or a saved `datasets` dir)
+PLAIN_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def on_command_line(overrides, section: str, key: str) -> bool:
+    """Whether a `--set section.key=...` among `overrides` sets this key."""
+    return any(parse_override(t)[:2] == (section, key) for t in overrides)
+
+
+def embedded_code_values(embedded: Optional[dict]) -> dict[str, Any]:
+    """The CODE_KEYS values a checkpoint's embedded config holds that `resolve_config` ignores (`section.key` ->
+    value), left out where they equal what the shipped defaults resolve to (the tiny target, sdpa, false, none)."""
+    defaults = Config()
+    defaults.target.path = _resolve_target(defaults.target.path, Path.cwd())
+    out = {}
+    for section, key in CODE_KEYS:
+        value = ((embedded or {}).get(section) or {}).get(key)
+        if value not in (None, [], getattr(getattr(defaults, section), key)):
+            out[f"{section}.{key}"] = value
+    return out
+
+
+def _refuse_found_code(cfg: Config, path: Path, overrides) -> None:
+    """A run directory's config.yaml found by itself (a shared run could be planted) does not get to run the
+    target's own code: trust_remote_code or another attention implementation needs the command line to say so."""
+    t, how = cfg.target, f"pass --config {path} to use that file as it is"
+    if t.trust_remote_code and not on_command_line(overrides, "target", "trust_remote_code"):
+        raise ConfigError(f"{path}: target.trust_remote_code is true in a run directory's config.yaml that was not "
+                          f"named on the command line, and would run code from {t.path}; if you trust it pass --set "
+                          f"target.trust_remote_code=true (or {how})")
+    if t.attn_implementation not in PLAIN_ATTENTION and not on_command_line(overrides, "target", "attn_implementation"):
+        raise ConfigError(f"{path}: target.attn_implementation = {t.attn_implementation!r} in a run directory's "
+                          "config.yaml that was not named on the command line may load kernel code; pass --set "
+                          f"target.attn_implementation={t.attn_implementation} if you trust it (or {how})")
+
+
 def resolve_config(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
                    run_config: Optional[Path] = None, embedded: Optional[dict] = None,
                    embedded_source: str = "(embedded config)") -> tuple[Config, str]:
     """The config of a command that reads a trained drafter (`dflash eval`), and where it came from: `--config`
-    when given; else the run's RUN/config.yaml (`run_config`, when it exists); else the config a checkpoint
-    carries (`embedded`, named `embedded_source`); else the shipped tiny config. `--set` overrides apply to
-    whichever it is."""
+    when given; else the run's RUN/config.yaml (`run_config`, when it exists; refused by `_refuse_found_code`
+    when it would run the target's code); else the config a checkpoint carries (`embedded`, named
+    `embedded_source`) without its CODE_KEYS, which take their defaults unless `--set`; else the shipped tiny
+    config. `--set` overrides apply to whichever it is."""
     if config_path:
         return load_config(config_path, overrides), str(config_path)
     if run_config is not None and Path(run_config).exists():
-        return load_config(run_config, overrides), str(run_config)
+        cfg = load_config(run_config, overrides)
+        _refuse_found_code(cfg, Path(run_config), overrides)
+        return cfg, str(run_config)
     if embedded is not None:
         import json
 
         raw = json.loads(json.dumps(embedded))  # a copy: the checkpoint's dict stays as it was
+        for section, key in CODE_KEYS:  # a checkpoint carries the drafter, never what loads code
+            (raw.get(section) or {}).pop(key, None)
         given = _apply_overrides(raw, overrides)
-        return _from_dict_blaming_set(raw, embedded_source, given), embedded_source
+        cfg = _from_dict_blaming_set(raw, embedded_source, given)
+        cwd = Path.cwd()
+        cfg.target.path = _resolve_target(cfg.target.path, cwd)  # the default or --set's, never the checkpoint's
+        cfg.data.train_files = [resolve_path(p, cwd) for p in cfg.data.train_files]
+        cfg.data.validation_files = [resolve_path(p, cwd) for p in cfg.data.validation_files]
+        return cfg, embedded_source
     return load_config(None, overrides), "configs/tiny.yaml (default)"
 
 

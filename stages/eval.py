@@ -107,8 +107,9 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
         run_dir = p.parent.parent if p.parent.name == "checkpoints" and _looks_like_run(p.parent.parent) else None
         origin = {"checkpoint": str(p.resolve()), "step": meta["step"], "selected": checkpoint_kind(p),
                   "val_tau": checkpoint_val_tau(meta.get("val"), meta["step"])}
+        target = {"name": (meta.get("target") or {}).get("name"), "vocab_size": meta.get("vocab_size")}
         return drafter, DrafterSource(str(p), "checkpoint", run_dir, meta.get("store"), meta.get("config"),
-                                      meta.get("encoding"), origin)
+                                      meta.get("encoding"), origin, target)
     raise FileNotFoundError(f"drafter {path} does not exist: pass an exported directory (RUN/export) or a "
                             "training checkpoint (RUN/checkpoints/last.ckpt)")
 
@@ -270,6 +271,18 @@ def check_eval_store(src: DrafterSource, cfg: Config, attrs: dict, known: bool) 
         raise store_mismatch(diffs, f"the drafter {src.path}")
 
 
+def _refuse_embedded_target(src: DrafterSource, overrides: list[str]) -> None:
+    """The online eval of a checkpoint read with its embedded config: the target comes from the command line, never
+    from the checkpoint (a planted one could name a directory or hub id whose code would run)."""
+    from pipeline.config import embedded_code_values, on_command_line
+
+    named = embedded_code_values(src.config).get("target.path")
+    if named is not None and not on_command_line(overrides, "target", "path"):
+        raise EvalError(f"eval --online: {src.path} names target.path {named!r} in its embedded config, and a "
+                        "checkpoint never chooses the target (its files could run code); name it yourself: "
+                        f"--set target.path=DIR_OR_HUB_ID or --config RUN/config.yaml")
+
+
 def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:
     if store:
         return store
@@ -288,6 +301,9 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
     cfg, cfg_source = resolve_config(config_path, overrides,  # --config, else the run's, else the checkpoint's, else tiny
                                      run_config=src.run_dir / "config.yaml" if src.run_dir is not None else None,
                                      embedded=src.config, embedded_source=f"{src.path} (embedded config)")
+    embedded = cfg_source == f"{src.path} (embedded config)"
+    if embedded and online:
+        _refuse_embedded_target(src, overrides)
     arch = drafter.arch
     out_dir = Path(out) if out else ((src.run_dir / "eval") if src.run_dir else Path("runs/eval"))
     report: dict = {
@@ -303,7 +319,9 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
     store_path = _choose_store(store, src, cfg)
     store_attrs = st.read_root_attrs(store_path)
     if store_attrs is not None:  # before anything is written, the same refusal as train's
-        check_eval_store(src, cfg, store_attrs, known=bool(config_path) or not cfg_source.endswith("(default)"))
+        # an embedded config has no target.path of its own (pipeline.config.CODE_KEYS): what the drafter recorded
+        known = bool(config_path) or not (cfg_source.endswith("(default)") or embedded)
+        check_eval_store(src, cfg, store_attrs, known=known)
     encoding = (store_attrs or {}).get("encoding") or src.encoding or cfg.store.encoding
     if store_attrs is not None:
         log(f"eval: offline on {store_path} (drafter: {src.kind} {drafter_path})")

@@ -140,7 +140,11 @@ import signal, sys, time
 presses = []
 signal.signal(signal.SIGINT, lambda *_: presses.append(1))
 print("ready", flush=True)
+said = False
 while len(presses) < 2:
+    if presses and not said:  # the test presses again only then: two presses before the handler ran count as one
+        print("pressed once", flush=True)
+        said = True
     time.sleep(0.05)
 sys.exit(130 if sys.argv[1] == "clean" else 1)
 """
@@ -155,16 +159,19 @@ sys.exit(130 if sys.argv[1] == "clean" else 1)
     finally:
         signal.signal(signal.SIGINT, old)
 
-    def ready_():  # the children's output goes to their logs (no on_line): read "ready" there
-        return all("ready" in (tmp_path / f"{n}.log").read_text() for n in ("clean", "messy"))
+    def said(line: str) -> bool:  # the children's output goes to their logs (no on_line), under a header that
+        #                            quotes their code: a line of its own, not a substring, is what they said
+        return all(line in (tmp_path / f"{n}.log").read_text().splitlines() for n in ("clean", "messy"))
 
     def press_twice():
         signal.raise_signal(signal.SIGINT)
-        time.sleep(0.3)
+        deadline = time.time() + HANG_S  # a hang guard: the second press comes once each child counted the first
+        while time.time() < deadline and not said("pressed once"):
+            time.sleep(0.05)
         signal.raise_signal(signal.SIGINT)
 
     watching: list = []
-    presser = _when(lambda: watching and ready_(), press_twice)
+    presser = _when(lambda: watching and said("ready"), press_twice)
     end = sup.watch(tick=lambda: watching.append(1))
     presser.join()
     assert (tmp_path / "probe.log").read_text().splitlines()[-1] == "True"
