@@ -88,7 +88,6 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     if "partial_rotary_factor" in meta:
         raise ValueError(f"{path}/config.json has partial_rotary_factor: the drafter uses full rotary embeddings")
     return spec_for_export(meta).load_export(path, meta, device, dtype)  # its arch's loader (pipeline/archs.py)
-    _check_weights_header(path / "model.safetensors")
 
 
 _REEXPORT = "the export is damaged or was edited: export the run again (`dflash export RUN DIR`)"
@@ -97,6 +96,7 @@ _REEXPORT = "the export is damaged or was edited: export the run again (`dflash 
 def _export_config(path: Path) -> dict:
     """config.json of an export as a dict, else one ExportError naming the file and the fix (its sizes are the
     arch loader's to check: pipeline/archs.py `check_sizes`)."""
+    check_weights_header(path / "model.safetensors")
     try:
         meta = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -106,8 +106,9 @@ def _export_config(path: Path) -> dict:
     return meta
 
 
-def _check_weights_header(f: Path) -> None:
-    """model.safetensors' header parses and every tensor it lists lies inside the file, else one ExportError."""
+def check_weights_header(f: Path, what: str = "", fix: str = _REEXPORT) -> None:
+    """model.safetensors' header parses and every tensor it lists lies inside the file, else one ExportError
+    (`what` heads the message, `fix` ends it; eval's loading and --init-from's check, stages/init_from.py)."""
     from safetensors import safe_open
 
     try:
@@ -115,5 +116,5 @@ def _check_weights_header(f: Path) -> None:
             for k in fh.keys():
                 fh.get_slice(k).get_shape()
     except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (no public base)
-        raise ExportError(f"{f} is not a readable safetensors file ({str(e).splitlines()[0]}): truncated or "
-                          f"damaged; {_REEXPORT}") from None
+        raise ExportError(f"{what}{f} is not a readable safetensors file ({str(e).splitlines()[0]}): truncated or "
+                          f"damaged; {fix}") from None
