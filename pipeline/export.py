@@ -87,6 +87,7 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: O
     meta = _export_config(path)
     if "partial_rotary_factor" in meta:
         raise ValueError(f"{path}/config.json has partial_rotary_factor: the drafter uses full rotary embeddings")
+    check_weights_header(path / "model.safetensors")
     return spec_for_export(meta).load_export(path, meta, device, dtype)  # its arch's loader (pipeline/archs.py)
 
 
@@ -96,7 +97,6 @@ _REEXPORT = "the export is damaged or was edited: export the run again (`dflash 
 def _export_config(path: Path) -> dict:
     """config.json of an export as a dict, else one ExportError naming the file and the fix (its sizes are the
     arch loader's to check: pipeline/archs.py `check_sizes`)."""
-    check_weights_header(path / "model.safetensors")
     try:
         meta = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
