@@ -6,7 +6,8 @@ tools and people in another shell can read while the run goes on. Nothing here t
 The end of a run: `FinalCheckpoint` writes RUN/checkpoints/last.ckpt at the end of a completed fit (before
 Lightning's teardown), writing nothing when a checkpoint already holds the last step; `ValidateAtEnd` makes
 the last batch validate, so the run's reported tau is the final drafter's. `resumable_csv_logger`: a resumed
-run's RUN/logs/metrics.csv keeps the rows logged up to its checkpoint (Lightning's CSVLogger deleted them).
+run's RUN/logs/metrics.csv keeps the rows logged up to its checkpoint (Lightning's CSVLogger deleted them); its
+steps, and TensorBoard's, count optimizer steps done, as everything else does (`one_step_count`).
 How a run stops on Ctrl-C or SIGTERM, and what it exits with then, is stages/train_stop.py.
 """
 
@@ -174,7 +175,8 @@ class ValidateSkippedOnResume(L.Callback):
     then trains on. Rank 0 reads the file before the logger rewrites it; every rank follows its decision."""
 
     def __init__(self, run_dir: Path, logged_through: int | None):
-        self.pending = logged_through is not None and not _val_row_logged(run_dir, logged_through)
+        # the checkpoint's last logged step counts before its batch's optimizer step; metrics.csv's after it
+        self.pending = logged_through is not None and not _val_row_logged(run_dir, logged_through + 1)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not trainer.strategy.broadcast(self.pending, src=0):
@@ -220,7 +222,8 @@ def resumable_csv_logger(run_dir: Path, logged_through: int | None):
             rows = []
             if logged_through is not None and path.exists():
                 with open(path, newline="") as f:
-                    rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= logged_through]
+                    rows = [r for r in csv.DictReader(f)  # steps one on from Lightning's (one_step_count)
+                            if r.get("step", "").isdigit() and int(r["step"]) <= logged_through + 1]
             path.unlink(missing_ok=True)
             if rows:
                 self.metrics_keys = sorted(rows[0])
@@ -238,4 +241,17 @@ def resumable_csv_logger(run_dir: Path, logged_through: int | None):
                 self._experiment = KeepingWriter(log_dir=self.log_dir)
             return self._experiment
 
-    return KeepingCSVLogger(run_dir, name="logs", version="")
+    return one_step_count(KeepingCSVLogger(run_dir, name="logs", version=""))
+
+
+def one_step_count(logger):
+    """`logger` with each row's step the optimizer steps done when it was logged, the count of the progress line,
+    the checkpoints, summary.json and the eval report. Lightning logs a training row before its batch's optimizer
+    step and validation before the step counter moves, one less (metrics.csv said 11 of a 12-step run)."""
+    log = logger.log_metrics
+
+    def log_metrics(metrics, step=None):
+        return log(metrics, None if step is None else step + 1)
+
+    logger.log_metrics = log_metrics
+    return logger

@@ -360,7 +360,7 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
 
     from stages.best_checkpoint import BestCheckpoint
     from stages.progress import (FinalCheckpoint, ProgressLines, ValidateAtEnd, ValidateSkippedOnResume,
-                                 resumable_csv_logger, save_final)
+                                 one_step_count, resumable_csv_logger, save_final)
     from stages.train_stop import (ForceOnSecondCtrlC, SigtermLikeCtrlC, StopRequest, end_stopped_run, error_behind,
                                    stopped_by_user)
     from stages.train_ckpt_io import AsyncCheckpointIO, LinkAfterWrite, wait_for_checkpoints
@@ -458,7 +458,7 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
 
         import tensorboard  # noqa: F401
 
-        loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version=""))
+        loggers.append(one_step_count(TensorBoardLogger(run_dir, name="tensorboard", version="")))
     except ImportError:
         pass
     trainer = L.Trainer(
@@ -477,7 +477,8 @@ def _train(cfg: Config, store: Optional[str], gpus: Optional[list[int]], devices
         log_every_n_steps=cfg.train.log_every,
         val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         use_distributed_sampler=False,
-        enable_progress_bar=sys.stderr.isatty(), default_root_dir=run_dir, deterministic=False,
+        enable_progress_bar=False,  # one display on a terminal too: ProgressLines' step line (stages/progress.py)
+        default_root_dir=run_dir, deterministic=False,
         plugins=[AsyncCheckpointIO()],  # copied to host memory, written in the background (train_ckpt_io.py)
         enable_model_summary=False,  # its table goes to stdout and warns on bf16-mixed; the line below says it
     )

@@ -7,7 +7,8 @@ Contract:
   one attention mask per layer type (flex on CUDA, SDPA on CPU) -> chunked gamma-weighted CE over the
   frozen head (pipeline.loss), normalised by the weight sum over ALL ranks.
 - Metrics: loss, per-slot accuracy and tau = 1 + sum_k prod_{i<=k} acc_i, for train and validation; the
-  padding fraction of each training batch and its documents per row (train.packing, data/packing.py).
+  padding fraction of each training batch and its documents per row (train.packing, data/packing.py); the
+  learning rate, the wall time (s since this process started) and tokens/s (all ranks, since the previous batch).
 - A non-finite loss on any rank stops every rank at that step with a hint; the last checkpoint stays good.
 - The learning rate follows `WarmupCosine` over the planned optimizer steps; when the plan changes (a resume
   on another number of ranks, a followed store that ended smaller than planned) the rest of the schedule is
@@ -92,6 +93,7 @@ class DrafterTask(L.LightningModule):
         self.planned_steps: Optional[int] = None  # set by stages.train (the LR schedule's length)
         self.lr_schedule: Optional[WarmupCosine] = None
         self._sample_log = None
+        self._t_batch: Optional[float] = None  # when the previous training batch ended (tokens/s)
 
     # -- frozen head ------------------------------------------------------------------------------------
     def _load_head(self) -> None:
@@ -114,6 +116,7 @@ class DrafterTask(L.LightningModule):
             self.drafter.compile_layers()  # regional compilation (see DFlashDrafter.compile_layers)
 
     def on_train_start(self) -> None:  # after the checkpoint's states are restored
+        self._fit_started = time.time()
         self._plan_lr()
         from stages.train_ckpt_io import AsyncCheckpointIO, checkpoint_specs
 
@@ -223,7 +226,22 @@ class DrafterTask(L.LightningModule):
         pad, per_row = padding_stats(batch)  # packing's effect: padded token slots and documents per row
         self.log_dict({"train/pad_frac": pad, "train/docs_per_row": per_row}, on_step=True, batch_size=B)
         self.log_dict({f"train/{k}": v for k, v in stats["extra"].items()}, on_step=True, batch_size=B)  # dflash2
+        self.log_dict(self._clock(float(batch["seq_lens"].sum())), on_step=True, batch_size=B)
         return loss
+
+    def _clock(self, tokens: float) -> dict:
+        """train/lr (this step's), train/wall_s (since the process started) and train/tokens_per_s (every rank's
+        tokens since the previous batch; from the fit's start for the first)."""
+        from stages.train_startup import process_start_time
+
+        now = time.time()
+        if self._t_batch is None:
+            self._started = process_start_time()
+            self._t_batch = getattr(self, "_fit_started", self._started)
+        rate = tokens * self.trainer.world_size / max(now - self._t_batch, 1e-6)
+        self._t_batch = now
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer.optimizers else float("nan")
+        return {"train/lr": float(lr), "train/wall_s": now - self._started, "train/tokens_per_s": rate}
 
     def _log_samples(self, batch: dict, batch_idx: int) -> None:
         if self._sample_log is None:
