@@ -196,3 +196,23 @@ def test_train_refuses_a_target_layer_past_the_stores_target_before_the_run_dir(
         "error: target.layer_ids [50] out of range for a target with 8 layers: use ids in 0..7, or leave "
         "target.layer_ids unset (target.num_feature_layers picks them)"], r.output
     assert not run.exists()
+
+
+@pytest.mark.parametrize("command", ["export", "eval"])
+def test_a_checkpoint_arch_with_an_unknown_key_is_one_line_before_any_output(command, tmp_path):
+    import torch
+
+    from helpers_drafters import tiny_drafter
+
+    d = tiny_drafter(0, target_layer_ids=[1, 3, 5], sliding_window=6)
+    ckpt = tmp_path / "x.ckpt"
+    torch.save({"global_step": 3, "state_dict": {f"drafter.{k}": v for k, v in d.state_dict().items()},
+                "dflash": {"arch": {**d.arch.to_dict(), "rope_scalling": 2.0}, "step": 3, "vocab_size": 50,
+                           "target": {"num_hidden_layers": 8}}}, ckpt)
+    out = tmp_path / "out"
+    args = [str(ckpt), str(out)] if command == "export" else [str(ckpt), "--config", TINY, "--out", str(out)]
+    r = CliRunner().invoke(main, [command, *args])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:") or "Traceback" in ln]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    assert errors[0].startswith(f"error: {ckpt}: its stored architecture is not one a drafter can have (")
+    assert "unexpected keyword argument 'rope_scalling'" in errors[0] and not out.exists()
