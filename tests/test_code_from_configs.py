@@ -153,3 +153,40 @@ def test_init_from_and_eval_of_an_export_never_import_its_modeling_file(tmp_path
     assert meta["auto_map"]["AutoModel"].startswith("modeling_dflash.")  # it names the file, and nothing runs it
     load_exported(out)
     assert not marker.exists()
+
+
+def _train(*args: str, check: bool = True):
+    from helpers_cli import TINY_STORE_OPTS, dflash
+
+    return dflash("train", "--config", TINY, *TINY_STORE_OPTS, "--set", "train.num_workers=0", "--set",
+                  "train.batch_size=8", "--set", "train.val_every=1000", "--set", "train.checkpoint_every=2", *args,
+                  check=check)
+
+
+@pytest.mark.slow  # three tiny `dflash train` runs (~10 s each on 2 busy cores)
+def test_resume_and_init_from_never_take_code_from_a_planted_checkpoint_or_export(tiny_store, tmp_path):
+    from pipeline.ckpt_io import load_training_checkpoint
+
+    evil, marker = evil_target(tmp_path / "evil")
+    run = tmp_path / "run"
+    _train("--store", tiny_store, "--set", f"train.run_dir={run}", "--set", "train.max_steps=2")
+    last = (run / "checkpoints" / "last.ckpt").resolve()
+    ckpt = load_training_checkpoint(last)
+    ckpt["dflash"]["config"] = planted_config(evil)  # the resumed checkpoint names the evil target
+    torch.save(ckpt, last)
+    r = _train("--store", tiny_store, "--set", f"train.run_dir={run}", "--set", "train.max_steps=4", "--resume")
+    assert "Traceback" not in r.stderr
+    assert load_training_checkpoint(run / "checkpoints" / "last.ckpt", mmap=True)["global_step"] == 4
+    assert str(evil) not in (run / "config.yaml").read_text()
+    assert not marker.exists()
+    export = run / "export"  # a planted modeling file and config entries in the export it warm-starts from
+    (export / "modeling_dflash.py").write_text(CODE.format(marker=str(marker)))
+    meta = json.loads((export / "config.json").read_text())
+    meta["auto_map"] = {"AutoConfig": "modeling_dflash.Evil", "AutoModel": "modeling_dflash.Evil"}
+    (export / "config.json").write_text(json.dumps(meta))
+    (export / "checksums.sha256").unlink()
+    warm = tmp_path / "warm"
+    r = _train("--store", tiny_store, "--set", f"train.run_dir={warm}", "--set", "train.max_steps=1", "--init-from",
+               str(export), "--no-export")
+    assert f"starting from the weights of {export}" in r.stderr, r.stderr[-3000:]
+    assert not marker.exists()
