@@ -76,4 +76,12 @@ def run_export(path: str, *, out: str, which: str | None = None, for_sglang: boo
     done = export_checkpoint(str(ckpt), out, for_sglang=for_sglang, dtype=dtype, choice=choice)
     why = choice.reason if choice is not None else f"{ckpt}"
     print(f"exported {why} to {done}" + (f" (checkpoint {ckpt})" if choice is not None else ""))
+    print(serve_commands_text(done))
     return 0
+
+
+def serve_commands_text(export_dir) -> str:
+    """The vLLM and SGLang command lines that serve the export (pipeline/serve_commands.py), as printed."""
+    from pipeline.serve_commands import describe, serve_commands
+
+    return describe(serve_commands(export_dir))
