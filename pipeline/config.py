@@ -9,6 +9,10 @@ Contract:
 - Relative paths (data files, store, run dir) are relative to the current directory, where the user runs
   the command; a target path that exists relative to the config file's directory is resolved there.
 - Paths starting with `builtin:` refer to assets shipped inside the package (`data/assets/...`).
+- A config comes only from a file the user names (`--config`) and `--set`: the keys that load code (`CODE_KEYS`:
+  target.path, trust_remote_code, attn_implementation, drafter.init_from) are never taken from a checkpoint's
+  embedded config, and a run's config.yaml found by `resolve_config` is refused when it would run the target's
+  code unless `--set` says so too (issue 40 item 1).
 """
 
 from __future__ import annotations

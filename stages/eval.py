@@ -3,7 +3,10 @@
 Contract:
 - DRAFTER is an exported directory (config.json + model.safetensors) or a training checkpoint (.ckpt); the
   kind is detected. A drafter inside a run directory (RUN/export, RUN/checkpoints/x.ckpt) finds its run:
-  RUN/config.yaml is the default config and RUN/logs/metrics.csv gives the training curves.
+  RUN/config.yaml is the default config and RUN/logs/metrics.csv gives the training curves. A checkpoint's
+  embedded config gives the drafter and settings but never the target (pipeline.config.CODE_KEYS): `--online`
+  with it needs `--set target.path=...` or `--config`, and a found RUN/config.yaml with trust_remote_code is
+  refused unless `--set target.trust_remote_code=true` (one line each).
 - Offline (no target compute): validation samples of the store (at most `max_samples`, in store order; all
   samples, flagged, when the store has no validation split). Candidate anchors: positions a with m[a] and
   m[a+1] (as training). Each anchor is drafted as serving would: context = features of positions < a, block
