@@ -187,3 +187,21 @@ def test_an_extraction_that_commits_no_sample_fails_and_is_not_complete(tmp_path
 
     (shard,) = st.read_all_progress(str(store))
     assert not shard.done and shard.progress.committed_samples == 0
+
+
+@pytest.mark.slow  # a `dflash extract` subprocess on the tiny target (~10 s on 2 busy cores)
+def test_extraction_from_an_fp8_target_with_a_nan_scale_fails_naming_the_tensor(e5m2_ckpt, tmp_path):
+    bad = tmp_path / "nan-scale"
+    shutil.copytree(e5m2_ckpt, bad)
+    (f,) = weight_files(bad)
+    with safe_open(str(f), "pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    key = next(k for k in sorted(tensors) if tensors[k].dtype == E5M2)
+    tensors[scale_key(key)].view(-1)[0] = float("nan")
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    store = tmp_path / "store.zarr"
+    r = dflash("extract", "--config", TINY, "--shards", "1", "--store", str(store), "--set", f"target.path={bad}",
+               "--set", "data.max_samples=6", check=False)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert f"{key}: 1 of its" in r.stderr and "NaN, infinite, zero or negative" in r.stderr, r.stderr[-3000:]
+    assert "is complete" not in r.stderr
