@@ -293,11 +293,12 @@ def status(path):
 
 @main.command()
 @click.argument("store")
-def inspect(store):
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object (the provenance whole).")
+def inspect(store, as_json):
     """Show a store: samples, tokens, bytes on disk and per token, compression per array, provenance, shards."""
     from stages.inspect import inspect_store
 
-    _run(inspect_store, store)
+    _run(inspect_store, store, as_json=as_json)
 
 
 @main.command()
