@@ -172,7 +172,7 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
 
     def on_failure(name: str, rc: int) -> None:
         if name == "train" and rc == ExitCode.STOPPED and handover.stopped() is not None:
-            handover.exited_at = time.time()  # stopped for the handover, its checkpoint in place
+            pass  # stopped for the handover, its checkpoint in place
         elif name == "extract":
             say(f"\nrun: extraction failed (exit {rc}); stopping the training, which cannot finish without it")
             children.send("train", signal.SIGINT)
@@ -205,7 +205,8 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
 
     end = children.watch(tick)
     if expanding and not end.stops and end.codes.get("train") == ExitCode.STOPPED and handover.stopped():
-        handover.exited_at = handover.exited_at or time.time()
+        _group_gone(children.children["train"].proc.pid)  # its ranks too: the new ones need their devices free
+        handover.exited_at = time.time()
         hold("relaunch", logs)
         children = supervisor()
         handover.relaunched(where(t_gpus, t_cpus), where(all_gpus, all_cpus))
@@ -229,6 +230,31 @@ def _gpu_lists(extract_gpus: str, train_gpus: str) -> tuple[list[int], list[int]
         raise RunError("--extract-gpus/--train-gpus name GPUs, but this machine has none visible; leave both empty "
                        "to run on the CPU")
     return xg, tg
+
+
+def _group_gone(pgid: int, timeout: float = 60.0) -> None:
+    """Wait until no process of a child's own process group (a training and the ranks Lightning started) is left
+    (zombies do not count: a container's init may never reap them); SIGKILL what is still there after `timeout` s."""
+    import psutil
+
+    def left() -> list:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (psutil.Error, OSError):
+                pass
+        return out
+
+    deadline = time.time() + timeout
+    while (procs := left()) and time.time() < deadline:
+        time.sleep(0.05)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def _follow(run_dir: Path, complete: bool, resume: bool) -> bool:
