@@ -324,6 +324,30 @@ def recode(src, dst, encoding, clevel, device):
     _run(run_recode, src, dst=dst, encoding=encoding, clevel=clevel, device=device)
 
 
+@main.command("serve-check")
+@click.argument("export_dir", metavar="EXPORT", type=click.Path(exists=True, file_okay=False))
+@click.option("--server", required=True, help="Base URL of the vLLM or SGLang server, e.g. http://localhost:8000.")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="JSONL prompts ({\"messages\": [...]} or {\"text\": ...}); default: --config's held-out prompts.")
+@config_option
+@set_option
+@click.option("--engine", type=click.Choice(["auto", "vllm", "sglang"]), default="auto", show_default=True)
+@click.option("--min-ratio", type=float, default=0.8, show_default=True, help="Fail below this x the trained tau.")
+@click.option("--num-prompts", type=int, default=16, show_default=True)
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="Tokens generated per prompt.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds one request may take.")
+@click.option("--deadline", type=float, default=900.0, show_default=True, help="Seconds the whole check may take.")
+@click.option("--model", "target", default=None, help="The target's served name (default: the export's target).")
+@click.option("--tokenizer", default=None, help="SGLang: the tokenizer whose chat template renders the prompts.")
+def serve_check(export_dir, server, prompts, config_path, overrides, **options):
+    """Check a running vLLM or SGLang server that serves the target with this drafter: served tau against the
+    tau `dflash eval` recorded in EXPORT; exits 1 below --min-ratio of it, naming the likely causes."""
+    from stages.serve_check import run_serve_check
+
+    cfg = _load(config_path, overrides) if config_path and not prompts else None
+    _run(run_serve_check, export_dir, server=server, prompts=prompts, cfg=cfg, **options)
+
+
 @main.command("eval")
 @click.argument("drafter", type=click.Path(exists=True))
 @click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False),
