@@ -284,11 +284,12 @@ def export(checkpoint, out, sglang, dtype, which):
 
 @main.command()
 @click.argument("path")
-def status(path):
+@click.option("--json", "as_json", is_flag=True, help="Print the state as one JSON object.")
+def status(path, as_json):
     """State, progress, throughput and ETA of an extraction (STORE) or a training run (RUN dir)."""
     from stages.status import show_status
 
-    _run(show_status, path)
+    _run(show_status, path, as_json=as_json)
 
 
 @main.command()
@@ -364,7 +365,8 @@ def serve_check(export_dir, server, prompts, config_path, overrides, **options):
               help="Offline: at most this many validation samples of the store.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Online on CPU: torch threads while decoding (default: 1 for targets under 100M parameters).")
-def eval_(drafter, config_path, overrides, store, online, out, device, cache, max_samples, threads):
+@click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON on stdout instead of the headline tau.")
+def eval_(drafter, config_path, overrides, store, online, out, device, cache, max_samples, threads, as_json):
     """Measure a drafter (exported directory or training checkpoint): acceptance length tau offline from the
     store (no target compute) and, with --online, real speculative decoding against plain greedy decoding.
 
@@ -373,7 +375,7 @@ def eval_(drafter, config_path, overrides, store, online, out, device, cache, ma
     from stages.eval import run_eval
 
     _run(run_eval, drafter, config_path=config_path, overrides=list(overrides), store=store, online=online, out=out,
-         device=device, cache=cache, max_samples=max_samples, threads=threads)
+         device=device, cache=cache, max_samples=max_samples, threads=threads, as_json=as_json)
 
 
 @main.command()

@@ -286,6 +286,20 @@ def _refuse_embedded_target(src: DrafterSource, overrides: list[str]) -> None:
                         f"--set target.path=DIR_OR_HUB_ID or --config RUN/config.yaml")
 
 
+def headline(report: dict) -> str:
+    """The one line `dflash eval` prints on stdout: the tau serving will see, online where it was measured (tokens
+    per verify step against the target), else the offline serving walk's (the same count replayed on the store)."""
+    on, off = report.get("online"), report.get("offline")
+    if on:
+        how = f"at temperature {on['temperature']}" if on.get("temperature") else "greedy"
+        return (f"tau {on['tau']:.3f} tokens per verify step (online, {on['prompts']} prompts {how}, speedup "
+                f"{on['speedup']:.2f}x); details on stderr and in {report['path']}")
+    walk = off.get("serving_walk") or off
+    return (f"tau {walk['tau']:.3f} tokens per verify step (offline serving walk over "
+            f"{off['samples']} stored samples; --online measures it against the target); details on stderr and in "
+            f"{report['path']}")
+
+
 def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:
     if store:
         return store
@@ -297,7 +311,7 @@ def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:
 def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides: list[str] | tuple = (),
              store: Optional[str] = None, online: bool = False, out: Optional[str] = None,
              device: Optional[str] = None, cache: str = "auto", max_samples: Optional[int] = 1000,
-             threads: Optional[int] = None) -> int:
+             threads: Optional[int] = None, as_json: bool = False) -> int:
     overrides = list(overrides)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     drafter, src = load_drafter(drafter_path, "cpu", torch.float32)
@@ -379,4 +393,6 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
     report["plots"] = write_plots(report, out_dir, metrics)
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"eval: report {out_dir / 'report.json'}; plots " + ", ".join(str(out_dir / p) for p in report["plots"]))
+    report["path"] = str(out_dir / "report.json")  # stdout: one headline tau, or (--json) the whole report
+    print(json.dumps(report, indent=1) if as_json else headline(report), flush=True)
     return code

@@ -7,7 +7,9 @@ that ran a set of shards: one per node); every shard's line names the host holdi
 heartbeat age (pipeline/store_lock.py), its tokens/s and ETA from the newest status record covering it. A
 run directory by RUN/progress.json and its checkpoints. A recorded "running" state whose process no longer
 exists on this host (or, from another host, whose record is older than a lock's ttl) is shown as "stopped
-(process gone)". Exit 0 when the state could be read.
+(process gone)". Exit 0 when the state could be read. `as_json` (`dflash status --json`): the same state as one JSON
+object on stdout: {"kind": "extraction", state, samples, tokens, complete, shards, records} or {"kind": "training",
+progress.json's fields, last_checkpoint}.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _shard_detail(path: str, sh: dict, recs: list[dict]) -> str:
     return (", " + ", ".join(parts)) if parts else ""
 
 
-def show_status(path: str, out=sys.stdout) -> int:
+def show_status(path: str, out=sys.stdout, as_json: bool = False) -> int:
     p = Path(path)
     attrs = None
     try:
@@ -86,6 +88,11 @@ def show_status(path: str, out=sys.stdout) -> int:
             state = "running" + (f" ({len(running)} of {len(recs)} extraction calls)" if len(recs) > 1 else "")
         if s["complete"]:
             state = "finished"
+        if as_json:
+            print(json.dumps({"kind": "extraction", "path": path, "state": state, "samples": s["samples"],
+                              "tokens": s["tokens"], "complete": s["complete"], "shards": s["shards"],
+                              "records": recs}, indent=1), file=out)
+            return 0
         print(f"extraction {path}: {state}" + (f", last update {_age(rec['time'])}" if rec.get("time") else ""), file=out)
         for r in sorted(recs, key=lambda r: r.get("time", 0)):
             if r.get("line"):
@@ -101,6 +108,10 @@ def show_status(path: str, out=sys.stdout) -> int:
     if prog.exists():
         rec = json.loads(prog.read_text())
         ckpts = sorted((p / "checkpoints").glob("*.ckpt"), key=lambda f: f.stat().st_mtime)
+        if as_json:
+            print(json.dumps({"kind": "training", "path": path, **rec,
+                              "last_checkpoint": str(ckpts[-1]) if ckpts else None}, indent=1), file=out)
+            return 0
         print(f"training {path}: {rec['state']}, step {rec.get('step')}"
               + (f"/{rec['total_steps']}" if rec.get("total_steps") else "") + f", last update {_age(rec['time'])}", file=out)
         if rec.get("steps_per_s"):

@@ -1,6 +1,6 @@
 """One trained tiny run, on a terminal (issue 43 item 3): one step count in metrics.csv, summary.json, the progress
 lines and the eval report; metrics.csv's lr, wall-time and tokens/s columns; dflash's step line is the only
-progress display (Lightning's bar is off)."""
+progress display (Lightning's bar is off); eval's headline tau on stdout and `--json` on eval and status."""
 
 from __future__ import annotations
 
@@ -66,7 +66,19 @@ def test_one_step_count_new_metrics_columns_and_one_progress_display(tiny_store,
     walls = [float(r["train/wall_s"]) for r in trained]
     assert walls == sorted(walls) and walls[0] > 0
     out = tmp_path / "eval"
-    dflash("eval", str(run / "checkpoints" / "last.ckpt"), "--store", tiny_store, "--out", str(out),
-           "--set", "eval.max_anchors_per_sample=8")
+    r = dflash("eval", str(run / "checkpoints" / "last.ckpt"), "--store", tiny_store, "--out", str(out),
+               "--set", "eval.max_anchors_per_sample=8", "--max-samples", "8")
     report = json.loads((out / "report.json").read_text())
     assert report["training"]["steps"] == 12 and report["drafter"]["origin"]["step"] == 12
+    walk = report["offline"]["serving_walk"]["tau"]
+    assert r.stdout == (f"tau {walk:.3f} tokens per verify step (offline serving walk over 8 stored samples; --online "
+                        f"measures it against the target); details on stderr and in {out / 'report.json'}\n")
+    assert "eval: offline tau" in r.stderr  # the rest stays on stderr
+    j = dflash("eval", str(run / "checkpoints" / "last.ckpt"), "--store", tiny_store, "--out", str(out),
+               "--set", "eval.max_anchors_per_sample=8", "--max-samples", "8", "--json")
+    got, again = json.loads(j.stdout), json.loads((out / "report.json").read_text())  # the one report, whole
+    assert got["path"] == str(out / "report.json") and got["offline"] == again["offline"]
+    assert got["training"] == again["training"] and got["drafter"] == again["drafter"]
+    status = json.loads(dflash("status", "--json", str(run)).stdout)
+    assert (status["kind"], status["state"], status["step"]) == ("training", "finished", 12)
+    assert status["last_checkpoint"] == str(run / "checkpoints" / "last.ckpt")
