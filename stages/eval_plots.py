@@ -37,9 +37,24 @@ def _plt():
     return plt
 
 
+def run_name(report: dict) -> str:
+    """What the plots are of: the run directory's name, else the drafter's (an export, a checkpoint file)."""
+    where = Path(report.get("run_dir") or report["drafter"]["path"])
+    return where.name if where.name not in ("export", "checkpoints", "") else where.parent.name
+
+
+def slot_ylim(*curves) -> tuple[float, float]:
+    """A y range that shows how accuracy falls off over the slots (not squashed into [0, 1])."""
+    ys = [float(y) for c in curves for y in c]
+    lo, hi = min(ys), max(ys)
+    pad = max(0.05 * (hi - lo), 0.01)
+    return max(0.0, lo - pad), min(1.0, hi + pad)
+
+
 def write_plots(report: dict, out: Path, metrics: dict) -> list[str]:
     plt = _plt()
     files = []
+    name = run_name(report)
     off, on = report.get("offline"), report.get("online")
     bs = report["drafter"]["block_size"]
     ks = np.arange(1, bs + 1)
@@ -60,7 +75,7 @@ def write_plots(report: dict, out: Path, metrics: dict) -> list[str]:
     ax.set_xlabel("tokens per block / verify step (accepted drafts + 1)")
     ax.set_ylabel("fraction of blocks")
     ax.set_xticks(ks)
-    ax.set_title("acceptance-length distribution")
+    ax.set_title(f"{name}: acceptance-length distribution")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "acceptance_histogram.png", dpi=110)
@@ -73,13 +88,15 @@ def write_plots(report: dict, out: Path, metrics: dict) -> list[str]:
         ax.plot(slots, off["slot_accuracy"], "o-", label="offline eval (greedy)")
         val = [v for k, v in sorted(((int(k.rsplit("slot", 1)[1]), v[-1][1]) for k, v in metrics.items()
                                      if k.startswith("val/acc_slot")))]
-        if len(val) == bs - 1:
-            ax.plot(slots, val, "s--", alpha=0.7, label="training validation (last)")
-        ax.set_ylim(0, 1.02)
+        val_step = metrics["val/acc_slot1"][-1][0] if "val/acc_slot1" in metrics else None
+        same = val_step is not None and val_step == (report["drafter"].get("origin") or {}).get("step")
+        if len(val) == bs - 1 and not same:  # the evaluated step's own validation would draw the same line again
+            ax.plot(slots, val, "s--", alpha=0.7, label=f"training validation (step {val_step})")
+        ax.set_ylim(*slot_ylim(off["slot_accuracy"], val if len(val) == bs - 1 and not same else []))
         ax.set_xticks(slots)
         ax.set_xlabel("block slot k (predicts token anchor+k)")
         ax.set_ylabel("accuracy")
-        ax.set_title("per-slot accuracy")
+        ax.set_title(f"{name}: per-slot accuracy")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "slot_accuracy.png", dpi=110)
@@ -93,8 +110,9 @@ def write_plots(report: dict, out: Path, metrics: dict) -> list[str]:
                 s, v = zip(*metrics[key])
                 ax.plot(s, v, "-" if key.startswith("train") else "o-", label=key)
         for ax, t in ((a1, "loss"), (a2, "tau (from per-slot accuracy)")):
-            ax.set_xlabel("step")
-            ax.set_title(t)
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel(t.split(" (")[0])
+            ax.set_title(f"{name}: {t}")
             ax.legend()
         fig.tight_layout()
         fig.savefig(out / "training_curves.png", dpi=110)
