@@ -190,3 +190,17 @@ def test_handover_bench_part_prints_the_three_figures_at_its_tiny_size(tmp_path)
     for k in ("checkpoint_s", "stop_s", "relaunch_to_first_step_s"):
         assert rec[k] is not None and rec[k] >= 0, (k, rec)
     assert "handover: checkpoint " in r.stdout and "relaunch to the first step" in r.stdout, r.stdout[-3000:]
+
+
+def test_no_expand_reaches_run_node_and_expansion_is_the_default(monkeypatch):
+    from click.testing import CliRunner
+
+    import stages.run
+    from stages.cli import main
+
+    seen = []
+    monkeypatch.setattr(stages.run, "run_node", lambda cfg, **kw: seen.append(kw["expand"]) or 0)
+    for extra in ([], ["--no-expand"]):
+        r = CliRunner().invoke(main, ["run", "--extract-gpus", "", "--train-gpus", "", *extra])
+        assert r.exit_code == 0, r.output
+    assert seen == [True, False]
