@@ -211,6 +211,7 @@ def _report(got: dict, trained: dict, facts: dict, kind: str, min_ratio: float, 
             "non_causal_sliding": facts["is_causal"] is False and "sliding_attention" in facts["layer_types"],
             "layer_ids": _layer_ids(export)}
     causes = diagnose(seen)
+    print(describe(serve_commands(export, target)))
     print(f"serve-check FAILED: served tau {served['tau']:.2f} < {min_ratio:g} x trained tau {trained['tau']:.2f}; "
           "likely causes, most likely first: " + "; ".join(f"{i}) {c}" for i, c in enumerate(causes, 1)))
     return 1

@@ -77,8 +77,10 @@ def test_good_drafter_passes(export, engine, capsys, kind):
 def test_collapsed_drafter_fails_naming_the_causes_in_order(export, engine, capsys, kind):
     e = engine(kind, tau=1.1, draft_path=str(export[0]), num_spec=15 if kind == "vllm" else 16)
     assert check(export, e.url) == 1
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("serve-check FAILED")][0]
-    assert "served tau 1.10 < 0.8 x trained tau 5.00" in line
+    capsys_out = capsys.readouterr().out
+    line = capsys_out.splitlines()[-1]
+    assert line.startswith("serve-check FAILED") and "served tau 1.10 < 0.8 x trained tau 5.00" in line
+    assert "serve with vLLM:" in capsys_out and "--speculative-draft-attention-backend flashinfer" in capsys_out
     order = [line.index(w) for w in ("1) the chat template", "2) the target layer ids", "[1, 3, 5]",
                                      "3) the attention backend", "flashinfer", "4) a quantized target")]
     assert order == sorted(order) and "wrong model" not in line and "num_speculative_tokens" not in line
@@ -112,7 +114,8 @@ def test_counters_that_never_move(export, engine, capsys, kind):
     e = engine(kind, move=False, draft_path=str(export[0]), num_spec=15 if kind == "vllm" else 16)
     assert check(export, e.url) == 1
     out = capsys.readouterr().out
-    assert "no speculative decoding" in out and ("never moved over 3 request(s)" in out or "spec_verify_ct" in out)
+    assert out.startswith(f"serve-check FAILED: no speculative decoding: the {kind} server's speculative counters "
+                          "never moved over 3 request(s)") and e.generations == 3
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
@@ -167,3 +170,16 @@ def test_cli_exit_codes(export, engine):
                check=False)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: cannot reach http://127.0.0.1:9/v1/models")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_validation_prompts_of_the_config_are_sent(export, engine, capsys):
+    from helpers_cli import TINY
+    from pipeline.config import load_config
+    from stages.eval_online import heldout_prompts
+
+    cfg = load_config(TINY)
+    e = engine("vllm", tau=4.5)
+    assert run_serve_check(str(export[0]), server=e.url, cfg=cfg, num_prompts=2, timeout=10) == 0
+    assert [b["messages"] for b in e.bodies] == [m for _sid, m in heldout_prompts(cfg, 2)]
+    with pytest.raises(ServeCheckError, match="no prompts: give --prompts FILE"):
+        run_serve_check(str(export[0]), server=e.url)
