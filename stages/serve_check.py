@@ -149,6 +149,16 @@ def _taus(steps: list[dict]) -> dict:
     return out
 
 
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ServeCheckError(f"cannot load the tokenizer {path} to render the chat prompts for SGLang "
+                              f"({str(e).splitlines()[0][:120]}); give --tokenizer PATH (the target's)") from None
+
+
 def _detect(http: Http, engine: str) -> tuple[str, dict]:
     if engine in ("auto", "sglang"):
         info = http.json("/get_server_info", missing_ok=True)
@@ -176,9 +186,7 @@ def run_serve_check(export: str, *, server: str, prompts: Optional[str] = None, 
         else:
             tok = tokenizer or (cfg.target.path if cfg is not None and not prompts else None)
             if isinstance(tok, str):  # a path or hub name; tests hand a tokenizer object
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(tok)
+                tok = _tokenizer(tok)
             got = _sglang(http, info, chosen, temp, max_tokens, facts, export, tok)
     except _NoSpec as e:
         print(f"serve-check FAILED: no speculative decoding: {e}; serve with the commands below\n"

@@ -183,3 +183,6 @@ def test_validation_prompts_of_the_config_are_sent(export, engine, capsys):
     assert [b["messages"] for b in e.bodies] == [m for _sid, m in heldout_prompts(cfg, 2)]
     with pytest.raises(ServeCheckError, match="no prompts: give --prompts FILE"):
         run_serve_check(str(export[0]), server=e.url)
+    s = engine("sglang", draft_path=str(export[0]))
+    with pytest.raises(ServeCheckError, match=r"cannot load the tokenizer .*no-such-tokenizer.*give --tokenizer PATH"):
+        run_serve_check(str(export[0]), server=s.url, cfg=cfg, num_prompts=2, tokenizer=str(export[0] / "no-such-tokenizer"))
