@@ -47,21 +47,25 @@ def test_mixed_bidirectional_drafter_gets_the_v2_runner_and_flashinfer_and_the_s
     assert "attention-backend" not in causal.sglang and not causal.vllm.startswith("VLLM_USE_V2")
 
 
-def test_dflash_export_prints_the_commands(tmp_path):
+def test_dflash_export_prints_the_commands(tmp_path, capsys):
     import torch
 
-    from helpers_cli import TINY
-    from pipeline.config import load_config
-    from pipeline.drafter import DFlashDrafter, DrafterArch
-    from pipeline.export import export_drafter
-    from stages.export import serve_commands_text
+    from helpers_drafters import tiny_drafter
+    from stages.export import run_export
 
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterArch.from_config(load_config(TINY).drafter, [1, 3, 5]))
-    out = export_drafter(drafter, None, tmp_path / "export", vocab_size=576, num_target_layers=8, dtype="float32",
-                         extra_metadata={"target": "tiny/target"})
-    lines = serve_commands_text(out).splitlines()
-    block = drafter.arch.block_size
-    assert lines[0] == "serve with vLLM:" and f'"num_speculative_tokens": {block - 1}' in lines[1]
-    assert lines[2] == "serve with SGLang:" and f"--speculative-num-draft-tokens {block}" in lines[3]
-    assert "vllm serve tiny/target" in lines[1] and f"--speculative-draft-model-path {out}" in lines[3]
+    d = tiny_drafter(0, target_layer_ids=[1, 3, 5], sliding_window=6)
+    ckpt = tmp_path / "step3.ckpt"
+    torch.save({"global_step": 3, "state_dict": {f"drafter.{k}": v for k, v in d.state_dict().items()},
+                "dflash": {"arch": d.arch.to_dict(), "step": 3, "vocab_size": 50,
+                           "target": {"num_hidden_layers": 8, "name": "tiny/target"}}}, ckpt)
+    out = tmp_path / "export"
+    assert run_export(str(ckpt), out=str(out), dtype="float32") == 0
+    lines = capsys.readouterr().out.splitlines()
+    block = d.arch.block_size
+    assert lines[0].startswith("exported ") and lines[1] == "serve with vLLM:" and lines[3] == "serve with SGLang:"
+    # the tiny drafter mixes sliding and full layers: the V2 runner, and the note saying why
+    assert lines[2].strip().startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve tiny/target --speculative-config ")
+    assert any(x.startswith("note: vLLM: this drafter mixes sliding and full layers") for x in lines[5:])
+    assert json.loads(shlex.split(lines[2])[5]) == {"method": "dflash", "model": str(out),
+                                                    "num_speculative_tokens": block - 1}
+    assert lines[4].strip().endswith(f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block}")
