@@ -7,7 +7,7 @@ Contract:
 - Prompts: `--prompts FILE` (JSONL: {"messages": [...]} or {"text": "..."} per line), else the held-out prompts
   of `--config` (stages/eval_online.py `heldout_prompts`, the ones `dflash eval --online` decodes); at most
   `--num-prompts`. They are sent one at a time at the record's temperature, so the engine's counters move for
-  one request at a time.
+  one request at a time (vLLM's counters are the server's: run the check on a server no one else is using).
 - Engine (`--engine auto`: SGLang when `/get_server_info` answers, else vLLM); the counters are the engines' own
   (pipeline/serve_protocol.py names the source files). vLLM: messages to `/v1/chat/completions`, text to
   `/v1/completions`, `/metrics` read before and after each request. SGLang: text to `/generate` (messages are
@@ -109,7 +109,7 @@ def _vllm(http: Http, prompts: list[dict], temperature: float, max_tokens: int, 
     return {"seen": seen, "steps": steps}
 
 
-def _sglang(http: Http, info: dict, prompts, temperature, max_tokens, facts, export, tokenizer) -> dict:
+def _sglang(http: Http, info: dict, prompts, temperature, max_tokens, export, tokenizer) -> dict:
     seen = {"engine": "sglang", "model_mismatch": None, "spec_tokens": info.get("speculative_num_draft_tokens")}
     if not info.get("speculative_algorithm"):
         raise _NoSpec("SGLang's /get_server_info has no speculative_algorithm: the server runs without "
@@ -187,7 +187,7 @@ def run_serve_check(export: str, *, server: str, prompts: Optional[str] = None, 
             tok = tokenizer or (cfg.target.path if cfg is not None and not prompts else None)
             if isinstance(tok, str):  # a path or hub name; tests hand a tokenizer object
                 tok = _tokenizer(tok)
-            got = _sglang(http, info, chosen, temp, max_tokens, facts, export, tok)
+            got = _sglang(http, info, chosen, temp, max_tokens, export, tok)
     except _NoSpec as e:
         print(f"serve-check FAILED: no speculative decoding: {e}; serve with the commands below\n"
               + describe(serve_commands(export, target)))
