@@ -11,9 +11,7 @@ from stages.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
-# Commands this wave adds in parallel (issue 42 item 3); the docs describe them already. Empty this set once
-# `dflash serve-check` is registered in stages/cli.py.
-PENDING = {"serve-check"}
+PENDING: set[str] = set()  # commands the docs may name before they land (none now)
 
 
 def test_readme_is_short_and_has_no_dated_figures():
