@@ -88,7 +88,7 @@ def test_dflash_run_rerun_after_extraction_finished_gives_the_uninterrupted_resu
                                f"train.run_dir={run_dir}", "--set", "data.max_samples=64", "--set",
                                "extract.token_budget=512", "--set", "train.epochs=1", "--set", "train.num_workers=0",
                                "--set", "train.batch_size=8", "--set", "train.follow_buffer=8", "--set",
-                               "train.max_steps=4"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
+                               "train.max_steps=4", "--no-expand"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
 
     r = run(tmp_path / "ref")  # uninterrupted: training started while the store was being written
     assert r.returncode == 0, r.stderr[-3000:]

@@ -42,7 +42,7 @@ def test_run_stops_both_stages_on_one_ctrl_c_and_the_same_command_continues_both
     cmd = [sys.executable, "-m", "stages.cli", "run", "--store", str(store), "--set", f"train.run_dir={run}",
            "--set", "data.max_samples=240", "--set", "extract.token_budget=512", "--set", "train.epochs=2",
            "--set", "train.num_workers=1", "--set", "train.batch_size=8", "--set", "train.checkpoint_every=3", "--set", "train.log_every=1",
-           "--set", "train.follow_buffer=16"]
+           "--set", "train.follow_buffer=16", "--no-expand"]  # the split kept (expansion: tests/test_run_expand.py)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1", "DFLASH_TEST_EXTRACT_DELAY": "2"}
     # started as a script's background job is (SIGINT ignored, and inherited): the Ctrl-C `dflash run` passes on
     # must still stop its children. Before, the training child inherited the ignore and waited forever for the
