@@ -44,7 +44,8 @@ from pipeline import store as st
 from pipeline.config import Config
 from pipeline.errors import UserError
 from pipeline.lifecycle import ExitCode, Supervisor, tail
-from stages.run_expand import ENV_DIR, ENV_FIRST, FIRST_STEP
+from stages.run_expand import (ENV_DIR, ENV_FIRST, FIRST_STEP, Handover, clear, hold, split_global_batch, union_devices,
+                               where)
 
 
 class RunError(UserError, RuntimeError):
@@ -135,7 +136,6 @@ def status_line(store: str, run_dir: Path) -> str:
 def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], extract_gpus: str = "",
              train_gpus: str = "", devices: Optional[int] = None, store: Optional[str] = None,
              command: str = "dflash run", expand: bool = True) -> int:
-    from stages.run_expand import Handover, clear, hold, split_global_batch, union_devices, where
     from stages.train import resume_argv
 
     xg, tg = _gpu_lists(extract_gpus, train_gpus)
@@ -145,8 +145,6 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
     logs.mkdir(parents=True, exist_ok=True)
     clear(logs)  # a killed run's handover files: an old request must not stop this run's training
     common = dict(config_path=config_path, overrides=list(overrides), store=store_path)
-    x_cmd = child_argv("extract", EXTRACT_FORWARDED, **common, shards=len(xg) or cfg.extract.shards,
-                       gpus=",".join(map(str, xg)) or None)
     resume = (run_dir / "checkpoints" / "last.ckpt").exists()
     complete = _complete(store_path)
     all_gpus, all_cpus = union_devices(xg, tg, devices, len(xg) or cfg.extract.shards)
@@ -163,26 +161,25 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
                          gpus=",".join(map(str, gpus)) or None, devices=None if gpus else cpus, follow=follow)
         return resume_argv(cmd) if resume else cmd
 
-    say(f"run: extraction {'skipped' if direct else 'on ' + (('GPUs ' + ','.join(map(str, xg))) if xg else 'the CPU')}"
-        f" -> {store_path}{' (already complete)' if complete else ''}; training on {where(t_gpus, t_cpus)} -> {run_dir}"
-        f"{' (resuming)' if resume else ''}"
-        f"{f', moving to {where(all_gpus, all_cpus)} when extraction finishes' if expanding else ''}; logs in "
-        f"{run_dir / 'logs'}/run-*.log")
+    x_where = "skipped" if direct else "on " + (("GPUs " + ",".join(map(str, xg))) if xg else "the CPU")
+    say(f"run: extraction {x_where} -> {store_path}{' (already complete)' if complete else ''}; training on "
+        f"{where(t_gpus, t_cpus)} -> {run_dir}{' (resuming)' if resume else ''}"
+        f"{f', moving to {where(all_gpus, all_cpus)} when extraction finishes' if expanding else ''}; logs in {logs}/run-*.log")
     handover = Handover(logs)
 
-    def on_failure(name: str, rc: int) -> None:
-        if name == "train" and rc == ExitCode.STOPPED and handover.stopped() is not None:
-            pass  # stopped for the handover, its checkpoint in place
-        elif name == "extract":
+    def on_failure(name: str, rc: int) -> None:  # a training stopped for the handover (checkpoint in place): no failure
+        if name == "extract":
             say(f"\nrun: extraction failed (exit {rc}); stopping the training, which cannot finish without it")
             children.send("train", signal.SIGINT)
-        else:
+        elif not (rc == ExitCode.STOPPED and handover.stopped() is not None):
             say(f"\nrun: training failed (exit {rc}); extraction goes on (Ctrl-C stops it)")
 
     supervisor = lambda: _supervisor(on_failure, say)  # noqa: E731
     children = supervisor()
     if not direct:
-        children.spawn("extract", x_cmd, log=run_dir / "logs" / "run-extract.log", own_group=True)
+        children.spawn("extract", child_argv("extract", EXTRACT_FORWARDED, **common, shards=len(xg) or cfg.extract.shards,
+                                             gpus=",".join(map(str, xg)) or None), log=logs / "run-extract.log",
+                       own_group=True)
     env = {**os.environ, ENV_DIR: str(logs)} if expanding else None
     children.spawn("train", train_cmd(t_gpus, t_cpus, follow, resume), log=run_dir / "logs" / "run-train.log",
                    env=env, own_group=True)
@@ -214,8 +211,7 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
                        env={**os.environ, ENV_FIRST: str(logs / FIRST_STEP)}, own_group=True)
         end = children.watch(tick)
         said = handover.poll(final=True)
-        if said:
-            say("\n" + said)
+        say("\n" + said) if said else None
     say(("\n" if tty else "") + status_line(store_path, run_dir))
     return _report(end, store_path, run_dir, command, say)
 
