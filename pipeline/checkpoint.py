@@ -40,12 +40,18 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 
 
 def weight_files(d: Path) -> list[Path]:
+    from pipeline.ckpt_io import require_regular
+
     d = Path(d)
     index = d / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [d / n for n in names]
-    return sorted(d.glob("*.safetensors"))
+        require_regular(index, "checkpoint's weight index")
+        files = [d / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    for f in files:  # every file a loader opens, refused unopened when it is a FIFO or a device
+        require_regular(f, "checkpoint's weights file")
+    return files
 
 
 def text_key(name: str) -> Optional[str]:
@@ -87,6 +93,9 @@ def _file_key(f: Path) -> str:
 
 
 def sha256_file(f: Path, chunk: int = 8 << 20) -> str:
+    from pipeline.ckpt_io import require_regular
+
+    require_regular(f, "file to hash")
     h = hashlib.sha256()
     with open(f, "rb") as fh:
         while block := fh.read(chunk):
@@ -128,6 +137,9 @@ def text_config(d: Path, keep_layers: Optional[int] = None):
     """The text model's config (text_config of a VLM), cut to its first keep_layers layers."""
     from transformers import AutoConfig
 
+    from pipeline.ckpt_io import require_regular
+
+    require_regular(Path(d) / "config.json", "checkpoint's config.json")
     cfg = copy.deepcopy(AutoConfig.from_pretrained(str(d)).get_text_config())
     n = int(cfg.num_hidden_layers)
     if keep_layers is not None and keep_layers < n:

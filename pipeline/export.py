@@ -48,6 +48,8 @@ from .export_dir import (CHECKSUMS, ExportError, _replace_dir, contract_keys, hf
 
 def _is_export(d: Path) -> bool:
     """d/config.json names an architecture of ours (pipeline/archs.py)."""
+    if not (d / "config.json").is_file():  # a FIFO (require_regular) or nothing: not an export
+        return False
     try:
         return any(a in architectures() for a in json.loads((d / "config.json").read_text()).get("architectures") or [])
     except (OSError, ValueError, AttributeError):
@@ -97,6 +99,9 @@ _REEXPORT = "the export is damaged or was edited: export the run again (`dflash 
 def _export_config(path: Path) -> dict:
     """config.json of an export as a dict, else one ExportError naming the file and the fix (its sizes are the
     arch loader's to check: pipeline/archs.py `check_sizes`)."""
+    from .ckpt_io import require_regular
+
+    require_regular(path / "config.json", "export's config.json")  # a FIFO would block the read forever
     try:
         meta = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -110,6 +115,10 @@ def check_weights_header(f: Path, what: str = "", fix: str = _REEXPORT) -> None:
     """model.safetensors' header parses and every tensor it lists lies inside the file, else one ExportError
     (`what` heads the message, `fix` ends it; eval's loading and --init-from's check, stages/init_from.py)."""
     from safetensors import safe_open
+
+    from .ckpt_io import require_regular
+
+    require_regular(f, "export's weights file")  # safetensors would block on a FIFO, beyond any signal's reach
 
     try:
         with safe_open(str(f), "pt") as fh:

@@ -89,6 +89,9 @@ def finish_load(path: str | Path, meta: dict, drafter: nn.Module, state: dict,
     drafter.load_state_dict(state, strict=True)
     drafter.to(device=device, dtype=dtype or state["fc.weight"].dtype)
     if (Path(path) / "dflash_meta.json").exists():
+        from .ckpt_io import require_regular
+
+        require_regular(Path(path) / "dflash_meta.json", "export's dflash_meta.json")
         meta["dflash_meta"] = json.loads((Path(path) / "dflash_meta.json").read_text())
     return drafter.eval(), drafter.arch, meta
 

@@ -730,6 +730,9 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
 
 def read_bytes(path: str) -> bytes:
     if is_local(path):
+        from pipeline.ckpt_io import require_regular
+
+        require_regular(path, "store file")  # a FIFO would block the read forever
         return Path(path.removeprefix("file://")).read_bytes()
     import fsspec
 
