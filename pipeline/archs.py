@@ -22,7 +22,7 @@ that does something per arch asks this registry instead of testing the drafter o
 The drafting decision is not here: it is the drafter's own method, `pick` (DFlash's argmax, DFlash 2's selector
 walk), and `draws_from_logits` says whether a sampling decoder may draw from the logits (stages/speculate.py).
 A checkpoint records its arch as the arch's dict (`arch.to_dict()`); `drafter_from_arch_dict` builds it back.
-`check_sizes` runs before a checkpoint's or an export's drafter is built (issue 40 item 4): each size within
+`check_sizes` (pipeline/arch_sizes.py, re-exported here) runs before a checkpoint's or an export's drafter is built: each size within
 pipeline/config_ranges.py's range for its drafter key, the layer count that of the weights stored, and every
 tensor of the drafter (built on the meta device: nothing allocated) the shape of the stored one; otherwise
 `ArchError`, one line, and nothing was allocated (a hidden size of 10^7 hung export and eval before).
@@ -44,7 +44,8 @@ from torch import Tensor, nn
 
 from .drafter import DFlashDrafter, DrafterArch
 from .drafter2 import DFLASH2_KEYS, DFLASH2_OPTIONAL_KEYS, DFlash2Arch, DFlash2Drafter
-from .errors import ConfigError, UserError
+from .arch_sizes import ArchError, check_sizes  # noqa: F401  (re-exported: callers name them here)
+from .errors import ConfigError
 from .export1 import ARCHITECTURE as DFLASH_ARCHITECTURE, export_dflash, load_exported1
 from .export2 import ARCHITECTURE as DFLASH2_ARCHITECTURE, export_dflash2, load_exported2
 from .loss import chunked_weighted_ce, chunked_weighted_ce_topk, predecessor_ids, selector_ce
@@ -210,38 +211,3 @@ def drafter_from_arch_dict(d: dict, state: Optional[dict] = None, where: str = "
         check_sizes(d, {k: tuple(v.shape) for k, v in state.items()}, where,
                     lambda: spec.drafter_class(spec.arch_class(**d)))
     return spec.drafter_class(spec.arch_class(**d))
-
-
-class ArchError(UserError, ValueError):
-    """A checkpoint's or an export's stored architecture that no drafter can be built from, or that does not fit
-    the weights stored with it (a damaged or edited file); nothing was allocated for it."""
-
-
-def check_sizes(values: dict, shapes: dict[str, tuple], where: str, build: Callable[[], nn.Module]) -> None:
-    """Raise ArchError unless the architecture `values` fits the stored `shapes` (see the module docstring);
-    `build` makes the drafter of `values` (called on the meta device, after the sizes are bounded)."""
-    from .config_ranges import RANGES
-
-    fix = "the file is damaged or was edited: use another checkpoint, or export the run again"
-    for key, v in values.items():
-        rng = RANGES.get(("drafter", key))
-        if rng is not None and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                                  or not rng.allows(v)):
-            raise ArchError(f"{where}: its stored architecture's {key} must be {rng.describe()}, got {v!r}; {fix}")
-    layers = {k.split(".")[1] for k in shapes if k.startswith("layers.")}
-    n = values.get("num_hidden_layers")
-    if n != len(layers):
-        raise ArchError(f"{where}: its stored architecture has num_hidden_layers {n!r}, its weights "
-                        f"{len(layers)} layers; {fix}")
-    try:
-        with torch.device("meta"):
-            expected = {k: tuple(t.shape) for k, t in build().state_dict().items()}
-    except (TypeError, ValueError, KeyError) as e:
-        raise ArchError(f"{where}: its stored architecture is not one a drafter can have ({e}); {fix}") from None
-    bad = next(((k, shape) for k, shape in expected.items() if shapes.get(k) != shape), None)
-    if bad is not None:
-        sizes = ", ".join(f"{k} {values[k]}" for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                        "num_key_value_heads", "head_dim") if k in values)
-        got = shapes.get(bad[0])
-        raise ArchError(f"{where}: its stored architecture ({sizes}) does not fit its weights: {bad[0]} is "
-                        f"{list(got) if got is not None else 'missing'}, the architecture needs {list(bad[1])}; {fix}")

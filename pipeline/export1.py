@@ -49,7 +49,7 @@ def export_dflash(
 
 def load_exported1(path: Path, meta: dict, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
     """A DFlashDraftModel directory -> (DFlashDrafter, DrafterArch, meta) (called by pipeline.export.load_exported)."""
-    from .archs import check_sizes  # (archs imports this file)
+    from .arch_sizes import check_sizes
     from .ckpt_io import require_regular
 
     weights = Path(path) / "model.safetensors"

@@ -92,7 +92,7 @@ def _require_contract(state: dict, arch: DFlash2Arch, what: str) -> None:
 def load_exported2(path: Path, meta: dict, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
     """A DFlash2DraftModel directory -> (DFlash2Drafter, DFlash2Arch, meta) (pipeline.export.load_exported calls
     this through the arch registry)."""
-    from .archs import check_sizes  # (archs imports this file)
+    from .arch_sizes import check_sizes
     from .ckpt_io import require_regular
 
     weights = Path(path) / "model.safetensors"
