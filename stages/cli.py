@@ -334,8 +334,9 @@ def recode(src, dst, encoding, clevel, device):
 @set_option
 @click.option("--engine", type=click.Choice(["auto", "vllm", "sglang"]), default="auto", show_default=True)
 @click.option("--min-ratio", type=float, default=0.8, show_default=True, help="Fail below this x the trained tau.")
-@click.option("--num-prompts", type=int, default=16, show_default=True)
-@click.option("--max-tokens", type=int, default=256, show_default=True, help="Tokens generated per prompt.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Held-out prompts sent to the server.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens generated per prompt.")
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds one request may take.")
 @click.option("--deadline", type=float, default=900.0, show_default=True, help="Seconds the whole check may take.")
 @click.option("--model", "target", default=None, help="The target's served name (default: the export's target).")
