@@ -16,6 +16,8 @@
                            online eval's) and target_cache.py (spec_generate's target cache rollback, hybrid
                            targets included)
       dflash_meta.json     optional provenance (`extra_metadata`), read by nobody but us
+      dflash_tau.json      what eval measured of this drafter, or why nothing was (pipeline/tau_record.py; who
+                           writes it: stages/eval_record.py)
       checksums.sha256     the sha256 of every other file, in `sha256sum -c` format (`CHECKSUMS`); `load_exported`
                            (eval) and `--init-from` verify it when present (`verify_checksums`): a flipped byte
                            is refused with the file's name
@@ -60,11 +62,13 @@ def export_drafter(
     drafter: DFlashDrafter,
     arch: Optional[DrafterArch],
     out_dir: str | Path,
+    tau: Optional[dict] = None,
     **kw,
 ) -> Path:
     """Write the exported drafter directory whole, with its checksums; returns its path. The files are the
     drafter's arch's (pipeline/archs.py `export`: pipeline/export1.py's `export_dflash` describes the arguments,
-    arch None: drafter.arch). See the module contract for an OUT that already exists."""
+    arch None: drafter.arch); `tau`: the τ record written as dflash_tau.json (pipeline/tau_record.py; `dflash
+    export` always passes one, stages/eval_record.py). See the module contract for an OUT that already exists."""
     out = Path(out_dir)
     if out.is_file() or (out.is_dir() and any(out.iterdir()) and not _is_export(out)):
         raise ExportError(f"{out} is not empty and does not hold a DFlash export: refusing to mix the export with "
@@ -74,6 +78,10 @@ def export_drafter(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         spec_of(drafter).export(drafter, arch, tmp, **kw)
+        if tau is not None:
+            from .tau_record import write_tau
+
+            write_tau(tmp, tau)  # before the checksums: they cover it
         write_checksums(tmp)
         _replace_dir(tmp, out)
     finally:

@@ -162,6 +162,21 @@ def write_checksums(d: Path) -> None:
     (Path(d) / CHECKSUMS).write_text("".join(f"{sha256_file(Path(d) / n)}  {n}\n" for n in names))
 
 
+def add_checksum(d: Path, name: str) -> None:
+    """Put d/name's entry into d/checksums.sha256 (replacing an older one), when the export has checksums: a file
+    written into a verified export afterwards (`dflash eval`'s dflash_tau.json, stages/eval_record.py)."""
+    from .checkpoint import sha256_file
+
+    listed = Path(d) / CHECKSUMS
+    if not listed.is_file():
+        return
+    lines = [line for line in listed.read_text().splitlines() if line.partition("  ")[2] != name]
+    lines = sorted(lines + [f"{sha256_file(Path(d) / name)}  {name}"], key=lambda line: line.partition("  ")[2])
+    tmp = listed.with_name(f".{CHECKSUMS}.tmp{os.getpid()}")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    os.replace(tmp, listed)
+
+
 # the files an export's checksums must list when present: weights, configs and records, and code it runs
 COVERED_SUFFIXES = (".safetensors", ".json", ".py", ".bin", ".pt", ".pth")
 

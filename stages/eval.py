@@ -29,7 +29,10 @@ Contract:
   speculative times: same machine, same cache policy, same threads, interleaved per prompt after a warm-up)
   and the prompts whose speculative output differs from greedy (must be 0; anything else is a bug: the command
   prints a banner with the target's logit gap at the first difference and exits 1).
-- Writes OUT/report.json and PNG plots (acceptance histogram, per-slot accuracy, training curves).
+- Offline and online tau per context-length bucket (`by_context`, stages/eval_record.py: <512, 512-2K, 2K-8K,
+  >8K, where there is data), logged, in the report and plotted.
+- Writes OUT/report.json and PNG plots (acceptance histogram, per-slot accuracy, tau by context, training
+  curves), and the tau record OUT/dflash_tau.json, also into DRAFTER when it is an export (stages/eval_record.py).
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tens
     bs = block_size or drafter.arch.block_size
     stats = AcceptanceStats(bs)
     walk_steps: list[int] = []
+    contexts: list[tuple[int, int]] = []  # (anchor position, acceptance length) of the uniform anchors
     n_samples = 0
     k = torch.arange(1, bs)
     for s in samples:
@@ -199,11 +203,14 @@ def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tens
             labels, valid = tokens[pos_c], (pos < S) & mask[pos_c]
             acc_at.update(zip(a.tolist(), acceptance_lengths(d, labels, valid).tolist()))
             if pick.any():
-                stats.add(d[pick], labels[pick], valid[pick])
+                contexts += zip(a[pick].tolist(), stats.add(d[pick], labels[pick], valid[pick]).tolist())
         if walk:
             walk_steps += serving_walk(acc_at, supervised_runs(mask))
+    from stages.eval_record import bucket_taus
+
     out = stats.summary()
     out["samples"] = n_samples
+    out["by_context"] = bucket_taus(contexts)  # uniform tau per context-length bucket (stages/eval_record.py)
     if walk:
         out["serving_walk"] = {
             "tau": mean_length(walk_steps),
@@ -385,6 +392,11 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
             log(f"eval: online tau is {rel['vs_serving_walk']:+.1%} relative to the offline "
                 f"serving walk ({o['serving_walk']['tau']:.3f}), {rel['vs_uniform']:+.1%} "
                 f"relative to the uniform offline tau ({o['tau']:.3f})")
+    from stages.eval_record import by_context, describe_by_context, record_eval
+
+    report["by_context"] = by_context(report)
+    if report["by_context"]:
+        log(f"eval: {describe_by_context(report['by_context'])}")
     metrics = read_metrics(src.run_dir) if src.run_dir else {}
     if metrics:
         report["training"] = {k: v[-1][1] for k, v in metrics.items() if k.startswith("val/")}
@@ -392,6 +404,7 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
     out_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused drafter or store leaves nothing behind
     report["plots"] = write_plots(report, out_dir, metrics)
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    log("eval: tau record " + ", ".join(str(p) for p in record_eval(report, cfg, out_dir, src, store_attrs)))
     log(f"eval: report {out_dir / 'report.json'}; plots " + ", ".join(str(out_dir / p) for p in report["plots"]))
     report["path"] = str(out_dir / "report.json")  # stdout: one headline tau, or (--json) the whole report
     print(json.dumps(report, indent=1) if as_json else headline(report), flush=True)

@@ -1,5 +1,5 @@
-"""Plots and training curves for `dflash eval`: acceptance-length histogram, per-slot accuracy, and the
-training curves read from a run's logs/metrics.csv. Matplotlib (the `plots` extra) is imported lazily; without
+"""Plots and training curves for `dflash eval`: acceptance-length histogram, per-slot accuracy, tau by
+context-length bucket (the report's `by_context`, stages/eval_record.py), and the training curves read from a run's logs/metrics.csv. Matplotlib (the `plots` extra) is imported lazily; without
 it the report is still written and the plots are skipped with a note."""
 
 from __future__ import annotations
@@ -102,6 +102,25 @@ def write_plots(report: dict, out: Path, metrics: dict) -> list[str]:
         fig.savefig(out / "slot_accuracy.png", dpi=110)
         plt.close(fig)
         files.append("slot_accuracy.png")
+
+    table = report.get("by_context") or {}
+    if table:  # tau per context-length bucket (stages/eval_record.py), the buckets with data, in order
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        xs = np.arange(len(table))
+        for key, label, style in (("tau_offline", "offline (uniform anchors)", "o-"), ("tau_online", "online", "s-")):
+            ys = [np.nan if v[key] is None else v[key] for v in table.values()]
+            if not all(np.isnan(ys)):
+                ax.plot(xs, ys, style, label=label)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{k}\n(n {v['n']})" for k, v in table.items()])
+        ax.set_xlabel("context length (tokens before the block)")
+        ax.set_ylabel("tau")
+        ax.set_title("tau by context length")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "tau_by_context.png", dpi=110)
+        plt.close(fig)
+        files.append("tau_by_context.png")
 
     if metrics:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))

@@ -5,7 +5,8 @@ and tie flag); writes OUT/config.json, OUT/model.safetensors and the modeling fi
 trust_remote_code. `for_sglang=True` leaves out `auto_map`. Also loads a checkpoint's drafter for eval.
 Given a run directory, `dflash export` takes its best checkpoint by val tau (or the last: `--which last`)
 and says which (stages/best_checkpoint.py). OUT/dflash_meta.json records the checkpoint, its step, best or
-last, and its val tau, which `dflash eval` reports.
+last, and its val tau, which `dflash eval` reports. OUT/dflash_tau.json records what the run's eval measured of
+that checkpoint, or `evaluated: false` and why (stages/eval_record.py).
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ def export_checkpoint(ckpt_path: str, out_dir: str, for_sglang: bool = False, dt
     """`choice` (stages.best_checkpoint.Choice): why this checkpoint, recorded in OUT/dflash_meta.json."""
     drafter, meta = load_checkpoint_drafter(ckpt_path)
     target = meta["target"]
+    from stages.eval_record import record_for_export
+
     picked = choice.as_dict() if choice is not None else {
         "selected": checkpoint_kind(Path(ckpt_path)), "step": meta["step"],
         "val_tau": checkpoint_val_tau(meta.get("val"), meta["step"])}
     return export_drafter(
         drafter, drafter.arch, out_dir, vocab_size=int(meta["vocab_size"]),
         num_target_layers=int(target["num_hidden_layers"]), tie_word_embeddings=bool(target.get("tie_word_embeddings")),
-        dtype=dtype, for_sglang=for_sglang,
+        dtype=dtype, for_sglang=for_sglang, tau=record_for_export(ckpt_path, meta["step"], drafter.arch.block_size),
         extra_metadata={"target": target.get("name"), "store": meta.get("store"), **picked, "checkpoint": str(ckpt_path)},
     )
 
