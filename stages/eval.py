@@ -315,6 +315,15 @@ def _choose_store(store: Optional[str], src: DrafterSource, cfg: Config) -> str:
     return cfg.store.path
 
 
+def startup_line(cfg_source: str, target: Optional[str], store: str, run_dir: Optional[Path], out: Path) -> str:
+    """Eval's first line (issue 43): the config it took and from where (saying so when it is the tiny default:
+    no --config and no run config.yaml), the target (online only), the store, the run directory and OUT."""
+    if cfg_source.endswith("(default)"):
+        cfg_source = f"{cfg_source.removesuffix(' (default)')} (no --config and no run config.yaml: the tiny demo config)"
+    return (f"eval: config {cfg_source}; target {target or '- (offline only: no --online)'}; store {store}; "
+            f"run dir {run_dir or '- (the drafter is not in a run directory)'}; report in {out}")
+
+
 def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides: list[str] | tuple = (),
              store: Optional[str] = None, online: bool = False, out: Optional[str] = None,
              device: Optional[str] = None, cache: str = "auto", max_samples: Optional[int] = 1000,
@@ -339,8 +348,9 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
         "config": cfg_source,
         "run_dir": str(src.run_dir) if src.run_dir else None,
     }
-    log(f"eval: evaluating {describe_origin(src)}")
     store_path = _choose_store(store, src, cfg)
+    log(startup_line(cfg_source, cfg.target.path if online else None, store_path, src.run_dir, out_dir))
+    log(f"eval: evaluating {describe_origin(src)}")
     store_attrs = st.read_root_attrs(store_path)
     if store_attrs is not None:  # before anything is written, the same refusal as train's
         # an embedded config has no target.path of its own (pipeline.config.CODE_KEYS): what the drafter recorded

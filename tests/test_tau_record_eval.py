@@ -41,13 +41,17 @@ def _export(path: Path) -> Path:
                           dtype="float32")
 
 
-def test_eval_of_an_export_records_its_tau_there_covered_by_the_checksums(tmp_path):
+def test_eval_of_an_export_records_its_tau_there_covered_by_the_checksums(tmp_path, capsys):
     from stages.eval import run_eval
 
     export = _export(tmp_path / "export")
     out = tmp_path / "eval"
     assert run_eval(str(export), overrides=["eval.num_prompts=2", "eval.max_new_tokens=8"],
                     store=str(tmp_path / "no-store"), online=True, out=str(out), device="cpu") == 0
+    first = capsys.readouterr().err.splitlines()[0]  # the start-up line (issue 43): config, target, store, run, OUT
+    assert first == (f"eval: config configs/tiny.yaml (no --config and no run config.yaml: the tiny demo config); "
+                     f"target {load_config(TINY).target.path}; store {tmp_path / 'no-store'}; "
+                     f"run dir - (the drafter is not in a run directory); report in {out}")
     report = json.loads((out / "report.json").read_text())
     beside, inside = (json.loads((d / "dflash_tau.json").read_text()) for d in (out, export))
     assert beside == inside
