@@ -68,3 +68,12 @@ def test_current_figures_each_name_command_machine_and_date():
         for name in [c.strip() for c in row.strip("|").split("|")][5].split("; "):
             name = name.strip().removeprefix('"').removesuffix('"')
             assert any(h.startswith(name) for h in headings), f"no section of docs/benchmarks-log.md starts {name!r}"
+
+
+def test_architecture_guide_names_every_module():
+    """docs/architecture.md keeps to 'how the parts fit': every module of pipeline/, stages/ and data/ has its
+    row (or mention), so a new module cannot land unexplained."""
+    guide = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for d in ("pipeline", "stages", "data") for p in sorted((ROOT / d).rglob("*.py"))
+               if p.name != "__init__.py" and str(p.relative_to(ROOT)) not in guide]
+    assert missing == [], f"add these modules to docs/architecture.md's module table: {missing}"
