@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -138,11 +139,58 @@ def run_online(drafter: nn.Module, cfg: Config, device: torch.device, encoding: 
         torch.set_num_threads(saved)
 
 
+@dataclass(frozen=True)
+class _Online:
+    """The target loaded and checked against the drafter, and what decoding the prompts needs."""
+    arch: object  # the drafter's arch: target layer ids and block size
+    dtype: torch.dtype
+    model: nn.Module
+    runner: object  # stages.speculate.TargetRunner: the cache policy and its rollback
+    draft_fn: object
+    stops: set
+    encoded: list  # (sample_id, prompt token ids)
+    spec_kw: dict  # speculative_decode's keywords
+
+
+@dataclass
+class _Tally:
+    """Both decoders' totals over the prompts, the acceptance lengths, the mismatches and each prompt's record."""
+    g_time: float = 0.0
+    s_time: float = 0.0
+    g_fwd: int = 0
+    s_fwd: int = 0
+    new_tokens: int = 0
+    spec_tokens: int = 0
+    steps: list = field(default_factory=list)
+    mismatches: list = field(default_factory=list)
+    per_prompt: list = field(default_factory=list)
+
+
 def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cache, store_attrs, threads) -> dict:
+    """The conductor: load the target (`_load_online`), warm up, decode each prompt both ways (`_decode_prompts`)
+    and report (`_online_report`)."""
+    from stages.sampling import Sampling
+    from stages.speculate import greedy_decode, speculative_decode
+
+    on = _load_online(drafter, cfg, device, num_prompts, cache, store_attrs, threads)
+    # warm-up (untimed): first calls allocate and initialise kernels
+    greedy_decode(on.runner, on.encoded[0][1], min(8, max_new_tokens), on.stops)
+    speculative_decode(on.runner, on.draft_fn, on.encoded[0][1], max_new_tokens=min(8, max_new_tokens), **on.spec_kw)
+    sampling = Sampling(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.seed)
+    if not sampling.greedy:
+        log(f"eval: sampling at temperature {sampling.temperature}, top-p {sampling.top_p}, seed {sampling.seed}: "
+            "drafts verified with the rejection rule (lossless in distribution, not token for token)")
+    tally = _decode_prompts(on, sampling, device, max_new_tokens)
+    return _online_report(on, tally, cfg, device, sampling, max_new_tokens)
+
+
+def _load_online(drafter, cfg: Config, device: torch.device, num_prompts: int, cache: str,
+                 store_attrs: Optional[dict], threads: Optional[int]) -> _Online:
+    """The tokenizer, the target (its kernels said first) checked against the drafter's layers, the drafter on the
+    target's device and dtype, the CPU threads, the held-out prompts rendered, and the cache policy (said)."""
     from pipeline.kernels import kernel_report, use_kernel_cache
     from pipeline.target import DTYPES, load_tokenizer
-    from stages.sampling import Sampling
-    from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
+    from stages.speculate import TargetRunner, dflash_draft_fn
 
     arch = drafter.arch
     dtype = DTYPES[cfg.target.dtype if device.type == "cuda" else cfg.target.cpu_dtype]
@@ -189,39 +237,49 @@ def _run_online(drafter, cfg, device, encoding, num_prompts, max_new_tokens, cac
     # online tau measures how a drafter trained on (possibly lossy) stored features does on the real ones.
     spec_kw = dict(layer_ids=arch.target_layer_ids, block_size=arch.block_size, stop_ids=stops,
                    feature_encoding="bf16", feature_dtype=dtype)
-    # warm-up (untimed): first calls allocate and initialise kernels
-    greedy_decode(runner, encoded[0][1], min(8, max_new_tokens), stops)
-    speculative_decode(runner, draft_fn, encoded[0][1], max_new_tokens=min(8, max_new_tokens), **spec_kw)
-    g_time = s_time = 0.0
-    g_fwd = s_fwd = new_tokens = spec_tokens = 0
-    sampling = Sampling(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.seed)
-    if not sampling.greedy:
-        log(f"eval: sampling at temperature {sampling.temperature}, top-p {sampling.top_p}, seed {sampling.seed}: "
-            "drafts verified with the rejection rule (lossless in distribution, not token for token)")
-    steps: list[int] = []
-    mismatches = []
-    per_prompt = []
-    for i, (sid, ids) in enumerate(encoded):
+    return _Online(arch=arch, dtype=dtype, model=model, runner=runner, draft_fn=draft_fn, stops=stops,
+                   encoded=encoded, spec_kw=spec_kw)
+
+
+def _decode_prompts(on: _Online, sampling, device: torch.device, max_new_tokens: int) -> _Tally:
+    """Each prompt greedy-decoded and speculatively decoded in turn (sampled: each decoder's draws seeded from the
+    prompt's index); a greedy run's first difference recorded with the target's logit gap there."""
+    from stages.speculate import greedy_decode, speculative_decode
+
+    runner, draft_fn, stops, spec_kw, model = on.runner, on.draft_fn, on.stops, on.spec_kw, on.model
+    t = _Tally()
+    for i, (sid, ids) in enumerate(on.encoded):
         gens = (None, None) if sampling.greedy else (sampling.generator(device, 2 * i), sampling.generator(device, 2 * i + 1))
         g = greedy_decode(runner, ids, max_new_tokens, stops, sampling, gens[0])
         s = speculative_decode(runner, draft_fn, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                generator=gens[1], **spec_kw)
-        g_time += g.seconds
-        s_time += s.seconds
-        g_fwd += g.forwards
-        s_fwd += s.forwards
-        new_tokens += len(g.tokens)
-        spec_tokens += len(s.tokens)
-        steps += s.steps
+        t.g_time += g.seconds
+        t.s_time += s.seconds
+        t.g_fwd += g.forwards
+        t.s_fwd += s.forwards
+        t.new_tokens += len(g.tokens)
+        t.spec_tokens += len(s.tokens)
+        t.steps += s.steps
         same = g.tokens == s.tokens if sampling.greedy else None  # sampled outputs differ by chance
         if same is False:
             first = next((j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b),
                          min(len(g.tokens), len(s.tokens)))
-            mismatches.append({"sample_id": sid, "first_difference": first, "greedy": g.tokens, "speculative": s.tokens,
-                               "logit_margin": _margin(model, ids + g.tokens[:first], g.tokens, s.tokens, first)})
-        per_prompt.append({"sample_id": sid, "prompt_tokens": len(ids), "new_tokens": len(g.tokens),
-                           "verify_steps": len(s.steps), "tau": round(mean_length(s.steps), 4),
-                           "identical": same, "tokens": s.tokens, "acceptance_lengths": s.steps})
+            t.mismatches.append({"sample_id": sid, "first_difference": first, "greedy": g.tokens,
+                                 "speculative": s.tokens,
+                                 "logit_margin": _margin(model, ids + g.tokens[:first], g.tokens, s.tokens, first)})
+        t.per_prompt.append({"sample_id": sid, "prompt_tokens": len(ids), "new_tokens": len(g.tokens),
+                             "verify_steps": len(s.steps), "tau": round(mean_length(s.steps), 4),
+                             "identical": same, "tokens": s.tokens, "acceptance_lengths": s.steps})
+    return t
+
+
+def _online_report(on: _Online, t: _Tally, cfg: Config, device: torch.device, sampling, max_new_tokens: int) -> dict:
+    """The online result: target, device and cache, sampling, tau, forwards, times and speedup, the acceptance
+    histogram, the mismatches and each prompt's record."""
+    arch, dtype, runner, encoded, steps, mismatches = on.arch, on.dtype, on.runner, on.encoded, t.steps, t.mismatches
+    g_time, s_time, g_fwd, s_fwd, new_tokens, spec_tokens = (t.g_time, t.s_time, t.g_fwd, t.s_fwd, t.new_tokens,
+                                                             t.spec_tokens)
+    per_prompt = t.per_prompt
     result = {
         "target": cfg.target.path,
         "device": str(device),
