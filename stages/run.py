@@ -45,7 +45,7 @@ from pipeline.config import Config
 from pipeline.errors import UserError
 from pipeline.lifecycle import ExitCode, Supervisor, tail
 from stages.run_expand import (ENV_DIR, ENV_FIRST, FIRST_STEP, Handover, clear, hold, split_global_batch, union_devices,
-                               where)
+                               warn_indivisible, where)
 
 
 class RunError(UserError, RuntimeError):
@@ -155,6 +155,8 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
     t_sets = list(overrides)
     if direct and not resume:  # the split's global batch, as an expansion keeps it
         t_sets += split_global_batch(cfg, len(tg) or devices or 1, t_gpus, t_cpus, say)
+    elif expanding and not resume:
+        warn_indivisible(cfg, len(tg) or devices or 1, len(all_gpus) or all_cpus, say)
 
     def train_cmd(gpus: list[int], cpus: int, follow: bool, resume: bool) -> list[str]:
         cmd = child_argv("train", TRAIN_FORWARDED, **{**common, "overrides": t_sets},

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from stages.train_batch import nearest_accumulate
+
 ENV_DIR = "DFLASH_HANDOVER_DIR"  # set for an expanding training: where it looks for the request
 ENV_FIRST = "DFLASH_HANDOVER_FIRST"  # set for the relaunched training: where rank 0 writes its first step's time
 ENV_HOLD = "DFLASH_TEST_HANDOVER_HOLD"
@@ -84,8 +86,6 @@ def split_global_batch(cfg, split_world: int, gpus: list[int], cpus: int, say) -
     """The `--set` a fresh training on all devices (the store was complete at the start) needs to train the
     global batch the split would have (`train.keep_global_batch`), as an expansion's resume keeps it; said in one
     line when it changes the accumulation."""
-    from stages.train_batch import nearest_accumulate
-
     acc = cfg.train.accumulate_grad_batches
     new = nearest_accumulate(acc * split_world, len(gpus) or cpus)
     if not cfg.train.keep_global_batch or new == acc:
@@ -94,6 +94,22 @@ def split_global_batch(cfg, split_world: int, gpus: list[int], cpus: int, say) -
         f"{new} (was {acc}), the global batch of the split it replaces (train.keep_global_batch=false: let it grow "
         "with the ranks)")
     return [f"train.accumulate_grad_batches={new}"]
+
+
+def warn_indivisible(cfg, split_world: int, world: int, say) -> None:
+    """At the start of an expanding run: one line when the split's global batch (split_world x
+    train.accumulate_grad_batches micro-batches) does not divide over the `world` ranks training moves to, so the
+    handover will change it (stages/train_batch.py `nearest_accumulate`), with the accumulation that keeps it."""
+    acc = cfg.train.accumulate_grad_batches
+    total = acc * split_world
+    if not cfg.train.keep_global_batch or total % world == 0:
+        return
+    new = nearest_accumulate(total, world)
+    keep = next(a for a in range(acc, acc * world + 1) if (a * split_world) % world == 0)
+    say(f"run: WARNING: the global batch ({split_world} x {acc} = {total} micro-batches) does not divide over the "
+        f"{world} ranks training moves to: after the handover it becomes {world} x {new} = {world * new}; set "
+        f"train.accumulate_grad_batches={keep} ({split_world} x {keep} = {world} x {keep * split_world // world}) to "
+        "keep one global batch for the whole run, or pass --no-expand")
 
 
 def where(gpus: list[int], cpus: int) -> str:

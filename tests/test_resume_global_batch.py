@@ -64,6 +64,31 @@ def test_a_world_that_does_not_divide_takes_the_nearest_in_one_line(capsys):
     assert resume_accumulate(_cfg(), _state(3, 8), 5, say=False) == 5 and not capsys.readouterr().err
 
 
+def test_an_expanding_run_warns_at_its_start_when_the_handover_will_change_the_global_batch():
+    """dflash run (stages/run_expand.py `warn_indivisible`): 3 training GPUs x 4 does not divide over 8, said before
+    anything trains, with the accumulation that keeps it; a dividing one, or keep_global_batch=false, says nothing."""
+    from stages.run_expand import warn_indivisible
+
+    said: list[str] = []
+    warn_indivisible(_cfg("train.accumulate_grad_batches=4"), 3, 8, said.append)
+    assert said == ["run: WARNING: the global batch (3 x 4 = 12 micro-batches) does not divide over the 8 ranks "
+                    "training moves to: after the handover it becomes 8 x 2 = 16; set train.accumulate_grad_batches=8 "
+                    "(3 x 8 = 8 x 3) to keep one global batch for the whole run, or pass --no-expand"]
+    warn_indivisible(_cfg("train.accumulate_grad_batches=8"), 3, 8, said.append)
+    warn_indivisible(_cfg("train.accumulate_grad_batches=4", "train.keep_global_batch=false"), 3, 8, said.append)
+    assert len(said) == 1
+
+
+@pytest.mark.parametrize("recipe", ["qwen3.5-27b", "qwen3.6-27b", "qwen3.8-27b-dflash2"])
+def test_the_recipes_global_batch_survives_the_handover_to_the_whole_node(recipe):
+    """The recipes train on GPUs 5-7 while 0-4 extract, then `dflash run` moves training onto all 8: their global
+    batch divides over both, and over two nodes' 16 (docs/guides/multi-node.md)."""
+    cfg = load_config(str(ROOT / "configs" / f"{recipe}.yaml"))
+    total = 3 * cfg.train.accumulate_grad_batches
+    assert "--gpus 5,6,7" in (ROOT / "configs" / f"{recipe}.yaml").read_text()
+    assert total % 8 == 0 and (2 * total) % 16 == 0
+
+
 def test_keep_global_batch_false_is_the_old_behaviour(capsys):
     cfg = _cfg("train.accumulate_grad_batches=8", "train.keep_global_batch=false")
     assert resume_accumulate(cfg, _state(3, 8), 8, say=True) == 8 and not capsys.readouterr().err
