@@ -204,11 +204,12 @@ def test_selector_drafts_decode_losslessly_on_a_random_target():
 
 
 @pytest.mark.slow
-def test_train_steps_resumes_exports_and_decodes_losslessly_on_the_tiny_target(tmp_path):
+def test_train_steps_resumes_exports_and_decodes_losslessly_on_the_tiny_target(tiny_store, tmp_path):
     """The whole pipeline with drafter.arch=dflash2: extract -> train (2 DDP ranks over gloo, a few steps) ->
-    resume from the checkpoint -> export -> eval offline and online, lossless; the export is DFlash 2."""
-    store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
-    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=120")
+    resume from the checkpoint -> export -> eval offline and online, lossless; the export is DFlash 2. The
+    extraction is the session's tiny store (tests/conftest.py: a store does not depend on the drafter's arch;
+    training and eval only read it)."""
+    store, run = tiny_store, tmp_path / "run"
     sets = ["drafter.arch=dflash2", "drafter.selector_rank=32", f"train.run_dir={run}", "train.batch_size=4",
             "train.num_workers=0", "train.val_every=6", "train.log_every=2", "train.checkpoint_every=3"]
     args = ["train", "--config", TINY, "--store", store, "--devices", "2", *[x for s in sets for x in ("--set", s)]]
