@@ -196,8 +196,18 @@ def finish(*, cfg: Config, fitting: Fitting, task, run_dir: Path, ckpt_dir: Path
             summary["export"] = str(export_checkpoint(str(choice.path), str(run_dir / "export"), choice=choice))
             summary["exported"] = choice.as_dict()
             print(f"train: exported {choice.reason} to {summary['export']}", file=sys.stderr, flush=True)
+            print(serve_lines(summary["export"]), file=sys.stderr, flush=True)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         tau = summary['val'].get('val/tau')
         print(f"train: {trainer.global_step} steps; val tau {'n/a' if tau is None else f'{tau:.3f}'}; "
               f"checkpoint {checkpoint_path}" + (f"; export {summary.get('export')}" if export else ""), file=sys.stderr)
     return 0
+
+
+def serve_lines(export_dir: str) -> str:
+    """The vLLM and SGLang commands that serve the run's export (`dflash export` prints the same), as train's
+    lines: each heading and note `train: `-prefixed, the commands indented under them."""
+    from stages.export import serve_commands_text
+
+    return "\n".join(x if x.startswith("  ") else f"train: {x}" for x in serve_commands_text(export_dir).splitlines())
+

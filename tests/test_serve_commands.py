@@ -69,3 +69,10 @@ def test_dflash_export_prints_the_commands(tmp_path, capsys):
     assert json.loads(shlex.split(lines[2])[5]) == {"method": "dflash", "model": str(out),
                                                     "num_speculative_tokens": block - 1}
     assert lines[4].strip().endswith(f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block}")
+    from stages.export import serve_commands_text
+    from stages.train_fit import serve_lines
+
+    # dflash train's own export prints the same commands, as train's lines (a heading `train: `, commands indented)
+    trained = serve_lines(str(out)).splitlines()
+    assert trained == [x if x.startswith("  ") else f"train: {x}" for x in serve_commands_text(str(out)).splitlines()]
+    assert trained[0] == "train: serve with vLLM:" and trained[1] == lines[2] and trained[3] == lines[4]
