@@ -133,9 +133,8 @@ def test_parent_kill9_leaves_no_orphans(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_sigterm_stops_all_ranks_with_resume_hint(tmp_path):
-    store = str(tmp_path / "s.zarr")
-    _finish_and_verify(store)
+def test_training_sigterm_stops_all_ranks_with_resume_hint(tiny_store, tmp_path):
+    store = tiny_store  # the session's store (tests/conftest.py): training only reads it
     run = tmp_path / "run"
     p = _start_training(store, run, "--set", "train.log_every=2", "--set", "train.checkpoint_every=4",
                         stderr=subprocess.PIPE, text=True)
@@ -153,9 +152,8 @@ def test_training_sigterm_stops_all_ranks_with_resume_hint(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_parent_kill9_leaves_no_orphans(tmp_path):
-    store = str(tmp_path / "s.zarr")
-    _finish_and_verify(store)
+def test_training_parent_kill9_leaves_no_orphans(tiny_store, tmp_path):
+    store = tiny_store  # the session's store (tests/conftest.py): training only reads it
     run = tmp_path / "run"
     p = _start_training(store, run, stderr=subprocess.DEVNULL)
     _wait_until((run / "progress.json").exists)
@@ -250,11 +248,10 @@ def test_an_error_after_a_stop_request_is_the_stop(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("presses", [1, 2])
-def test_training_ctrl_c_to_the_group_stops_cleanly(tmp_path, presses):
+def test_training_ctrl_c_to_the_group_stops_cleanly(tiny_store, tmp_path, presses):
     """Ctrl-C from a terminal (SIGINT to the launcher, its ranks and their loader workers): once -> graceful stop
     with the resume hint; twice -> immediate exit. Either way 130 and nothing left running."""
-    store = str(tmp_path / "s.zarr")
-    _finish_and_verify(store)
+    store = tiny_store  # the session's store (tests/conftest.py): training only reads it
     run = tmp_path / "run"
     p = _start_training(store, run, "--set", "train.checkpoint_every=20", stderr=subprocess.PIPE, text=True,
                         start_new_session=True, preexec_fn=_as_foreground_job)
@@ -301,12 +298,11 @@ def _proc_status(pid) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
-def test_training_kill9_leaves_no_loader_workers(tmp_path, devices):
+def test_training_kill9_leaves_no_loader_workers(tiny_store, tmp_path, devices):
     """SIGKILL (the OOM killer) of a one-process `dflash train`: its DataLoader workers must not run on: a
     worker that outlives the reader of its result pipe can block for good at exit (it holds both
     ends of the pipe, so the write never fails)."""
-    store = str(tmp_path / "s.zarr")
-    _finish_and_verify(store)
+    store = tiny_store  # the session's store (tests/conftest.py): training only reads it
     run = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "stages.cli", "train", "--config", TINY, "--store", store,
                           "--set", f"train.run_dir={run}", "--set", "train.epochs=50", "--set", "train.num_workers=2",
