@@ -118,7 +118,7 @@ def main() -> None:
     encodings = a.encodings.split(",")
     env = study_env(a)
     out = Path(a.out).resolve()
-    ref = reference_store(out, env)
+    ref = reference_store(out, env, a.extract_set)
     for enc in encodings:
         if enc != "bf16" and not (out / "stores" / f"{enc}.done").exists():
             dflash("recode", str(ref), str(out / "stores" / f"{enc}.zarr"), "--encoding", enc, env=env)
