@@ -21,7 +21,7 @@ first epoch runs at the slower stage's concurrent rate, the others at training's
 projected to the paper's scale (~1.2B tokens, 6 epochs, 5 extraction GPUs + 3 training GPUs at --ddp-scaling).
 
     python bench/concurrent_bench.py --out $OUT/concurrent.json          # 2 GPUs, ~6 min
-    python bench/concurrent_bench.py --tiny --root /tmp/cb               # CPU smoke run (tiny shapes), ~2 min
+    python bench/concurrent_bench.py --tiny --root /tmp/cb               # CPU smoke run (tiny shapes), ~1 min
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def main() -> None:
                      lin_head_dim=32, vocab=300, layer_ids=[1, 3, 5], seq=128, token_budget=512,
                      config=str(ROOT / "configs" / "tiny.yaml"), solo_samples=24,
                      train_set=["train.batch_size=2", "train.num_workers=1", "drafter.mask_token_id=3"])
-        a.train_s, a.extract_s, a.both_s = min(a.train_s, 15), min(a.extract_s, 30), min(a.both_s, 20)
+        a.train_s, a.extract_s, a.both_s = min(a.train_s, 4), min(a.extract_s, 12), min(a.both_s, 4)  # a rate each, not a figure
     for k, v in shape.items():
         setattr(a, k, v)
     a.root = Path(a.root)
