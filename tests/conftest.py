@@ -1,6 +1,6 @@
 """Shared pytest setup: GPU tests run only where CUDA exists; everything else runs on 2 CPU cores. Session
 fixtures built once for the whole run: the tiny store (`tiny_store`, copied by tests that change it through
-`tiny_store_copy`) and the tiny hybrid target (`hybrid`). The CLI runner is tests/helpers_cli.py."""
+`tiny_store_copy`), the small one-shard store (`small_store`) and the tiny hybrid target (`hybrid`). The CLI runner is tests/helpers_cli.py."""
 
 import os
 
@@ -46,6 +46,19 @@ def tiny_store(tmp_path_factory) -> str:
     store = str(tmp_path_factory.mktemp("tiny-store") / "store.zarr")
     r = dflash("extract", "--config", TINY, "--shards", "2", "--store", store, *TINY_STORE_OPTS)
     assert "finished shard(s) [0, 1]" in r.stderr and "complete" in r.stderr, r.stderr[-3000:]
+    return store
+
+
+@pytest.fixture(scope="session")
+def small_store(tmp_path_factory) -> str:
+    """A one-shard store of the first 48 tiny-chat samples (bf16), extracted once per session by the CLI, for the
+    tests whose short runs need no more (before, each of their files extracted the same store itself). Shared:
+    read it, never write it (training and eval only read a store)."""
+    from helpers_cli import TINY, dflash
+
+    store = str(tmp_path_factory.mktemp("small-store") / "store.zarr")
+    r = dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=48")
+    assert "complete" in r.stderr, r.stderr[-3000:]
     return store
 
 

@@ -97,9 +97,8 @@ main()
 
 
 @pytest.mark.slow
-def test_train_on_a_filling_disk_ends_with_one_line_and_resumes(tmp_path):
-    store = str(tmp_path / "store.zarr")
-    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=48")
+def test_train_on_a_filling_disk_ends_with_one_line_and_resumes(small_store, tmp_path):
+    store = small_store  # the session's 48-sample store (tests/conftest.py): training only reads it
     run = tmp_path / "run"
     args = ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}", "--set",
             "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=6", "--set",

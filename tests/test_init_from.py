@@ -86,24 +86,18 @@ def test_dflash2_export_fits_only_a_dflash2_drafter(tmp_path):
         assert torch.equal(got[k], v), k
 
 
-@pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory):
-    store = str(tmp_path_factory.mktemp("init") / "store.zarr")
-    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=48")
-    return store
-
-
+# small_store: the session's one-shard 48-sample store (tests/conftest.py)
 def _train(store, run, *extra, check=True):
     return dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}", "--set",
                   "train.num_workers=0", "--set", "train.batch_size=8", "--no-export", *extra, check=check)
 
 
 @pytest.mark.slow
-def test_cli_starts_from_the_export_and_refuses_misfits_and_resume(tiny_store, tmp_path):
+def test_cli_starts_from_the_export_and_refuses_misfits_and_resume(small_store, tmp_path):
     out, donor = _export(tmp_path)
     run = tmp_path / "warm"
     # lr 0: the one optimizer step changes nothing, so the checkpoint holds the weights training started from
-    r = _train(tiny_store, run, "--init-from", str(out), "--set", "train.max_steps=1", "--set", "train.lr=0.0")
+    r = _train(small_store, run, "--init-from", str(out), "--set", "train.max_steps=1", "--set", "train.lr=0.0")
     assert f"starting from the weights of {out}" in r.stderr
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     theirs = donor.state_dict()
@@ -111,10 +105,10 @@ def test_cli_starts_from_the_export_and_refuses_misfits_and_resume(tiny_store, t
         assert torch.equal(v, theirs[k.removeprefix("drafter.")]), k
     assert ckpt["dflash"]["config"]["drafter"]["init_from"] == str(out)
     assert ckpt["optimizer_states"][0]["state"][0]["step"] == 1  # a fresh optimizer: one step, not the donor's
-    r = _train(tiny_store, run, "--init-from", str(out), "--resume", check=False)
+    r = _train(small_store, run, "--init-from", str(out), "--resume", check=False)
     assert r.returncode == 2 and "--init-from" in r.stderr and "--resume" in r.stderr and "not both" in r.stderr
     bad, _ = _export(tmp_path, name="bad", num_hidden_layers=3, layer_types=None)
     fresh = tmp_path / "refused"
-    r = _train(tiny_store, fresh, "--init-from", str(bad), check=False)
+    r = _train(small_store, fresh, "--init-from", str(bad), check=False)
     assert r.returncode == 2 and "drafter.num_hidden_layers: the export has 3" in r.stderr, r.stderr[-2000:]
     assert not fresh.exists()  # nothing written

@@ -46,9 +46,8 @@ def _rows(run):
 
 
 @pytest.mark.slow
-def test_a_validation_the_kill_skipped_runs_on_resume(tmp_path):
-    store = str(tmp_path / "store.zarr")
-    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=48")
+def test_a_validation_the_kill_skipped_runs_on_resume(small_store, tmp_path):
+    store = small_store  # the session's 48-sample store (tests/conftest.py): training only reads it
 
     def args(run):
         return ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}", "--set",

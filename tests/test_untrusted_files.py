@@ -36,12 +36,11 @@ def plant(path: Path, marker: Path, like: dict | None = None) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny store (1 shard, 48 samples) and a 3-step run of it with a validation at step 2 (best-step2.ckpt)."""
-    d = tmp_path_factory.mktemp("untrusted")
-    store = str(d / "store.zarr")
-    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=48")
-    run = d / "run"
+def trained(small_store, tmp_path_factory):
+    """The session's small store (1 shard, 48 samples; tests/conftest.py) and a 3-step run of it with a validation
+    at step 2 (best-step2.ckpt)."""
+    store = small_store
+    run = tmp_path_factory.mktemp("untrusted") / "run"
     dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}", "--set", "train.num_workers=0",
            "--set", "train.batch_size=8", "--set", "train.max_steps=3", "--set", "train.checkpoint_every=2",
            "--set", "train.val_every=2")
