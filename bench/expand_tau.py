@@ -2,7 +2,8 @@
 extraction ends reach the τ of one that keeps the split (`--no-expand`)? Paired by seed on the shipped tiny
 target (CPU, gloo ranks).
 
-Per seed, two `dflash run`s of the same data and schedule (tiny config, batch 8, 3 epochs, the same seed): one
+Per seed, two `dflash run`s of the same data and schedule (tiny config, global batch 8 as 2 micro-batches of 4, 3
+epochs, the same seed): one
 extraction process and one training rank, extraction held DELAY s a batch so that training really follows it;
 "split" keeps the one rank to the end, "expanded" checkpoints when extraction ends and resumes on two ranks with
 the global batch kept (train.accumulate_grad_batches recomputed, stages/train_batch.py). Both drafters are
@@ -27,7 +28,11 @@ sys.path.insert(0, str(ROOT))
 from bench.encoding_tau import _t975, dflash, parse_seeds, sets  # noqa: E402
 from bench.follow_tau import evaluate  # noqa: E402
 
-RUN = ["data.max_samples=800", "extract.shards=1", "train.batch_size=8", "train.epochs=3", "train.val_every=100000", "train.num_workers=1",
+# global batch 8 = 1 rank x 2 micro-batches of 4, which divides over 2 ranks (2 x 1 x 4): the expanded run's steps
+# are the split run's (stages/train_batch.py). With batch_size 8 x 1 it does not divide, and the expanded run takes
+# the nearest global batch, 16, for its remaining steps (docs/benchmarks-log.md, issue 41's tau pairs)
+RUN = ["data.max_samples=800", "extract.shards=1", "train.batch_size=4", "train.accumulate_grad_batches=2",
+       "train.epochs=3", "train.val_every=100000", "train.num_workers=1",
        "train.follow_buffer=128"]
 VARIANTS = {"split": ["--no-expand"], "expanded": []}
 
