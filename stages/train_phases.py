@@ -171,8 +171,12 @@ def open_training_store(*, cfg: Config, store_path: str, follow: bool, committed
 
 def import_lightning() -> None:
     """Lightning and the training modules (~5 s of imports), loaded while the head's checksum runs in its thread
-    (the phases after this one import from them at no cost); third-party lines quietened (pipeline/quiet_log.py)."""
-    import lightning  # noqa: F401
+    (the phases after this one import from them at no cost); third-party lines quietened (pipeline/quiet_log.py).
+    torchmetrics is reduced to the two classes Lightning imports (stages/lightning_import.py: its optional
+    backends, transformers among them, were most of this phase)."""
+    from stages.lightning_import import import_lightning as light_import
+
+    light_import()
 
     import stages.best_checkpoint  # noqa: F401
     import stages.progress  # noqa: F401
