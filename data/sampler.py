@@ -237,3 +237,15 @@ def remaining_steps(sampler: RankBatchSampler, epochs: int, accumulate: int, pla
     done, length = sampler.consumed, sampler.epoch_length(e, planned)
     steps = math.ceil(length / accumulate) - done // accumulate if done < length else 0
     return steps + sum(math.ceil(sampler.epoch_length(x, planned) / accumulate) for x in range(e + 1, epochs))
+
+
+def shapes_vary(sampler: Optional[RankBatchSampler], pad_multiple: int) -> bool:
+    """Whether the training batches come in more than one shape (issue 46 item 2: then the compiled step is
+    dynamic from its first compile, not static first and recompiled at each newly varying size): packed rows
+    (the anchor width follows the documents in a row), a stream (lengths not known ahead), or samples whose
+    lengths pad (to `pad_multiple`) to more than one width. False only for a finished store of one padded length,
+    whose static kernels then stay (a fixed-length benchmark store)."""
+    if sampler is None or sampler.pack_tokens or sampler.stream_epochs or not getattr(sampler.source, "final", False):
+        return True
+    _, lengths = sampler.source.all()
+    return len({-(-int(n) // max(1, pad_multiple)) for n in lengths}) > 1

@@ -80,7 +80,25 @@ def layer_compile_options() -> dict:
     return options
 
 
-def prepare_compile(limit: Optional[int] = None) -> list[str]:
-    """Everything above, once per process before the first compile; -> the workarounds installed."""
+def no_duck_shapes() -> bool:
+    """Dims of equal size at the first compile get their own symbols (torch's "duck shaping" off): with a dynamic
+    compile (issue 46 item 2) a first batch whose block length happened to equal its context length would
+    otherwise tie the two (one symbol, a guard Q == S) and recompile at the next batch. Changes no math; only
+    which sizes a dynamic graph may take. -> whether this torch has the switch."""
+    try:
+        import torch.fx.experimental._config as fx_config
+    except ImportError:
+        return False
+    if not hasattr(fx_config, "use_duck_shape"):
+        return False
+    fx_config.use_duck_shape = False
+    return True
+
+
+def prepare_compile(limit: Optional[int] = None, dynamic: Optional[bool] = None) -> list[str]:
+    """Everything above, once per process before the first compile; -> the workarounds installed. dynamic: the
+    run compiles dynamic from its first step (batches of many shapes), so duck shaping is turned off too."""
     loud_recompiles(limit)
+    if dynamic:
+        no_duck_shapes()
     return inductor_workarounds()

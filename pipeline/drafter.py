@@ -262,7 +262,8 @@ class DFlashDrafter(nn.Module):
         graphs (parameters are graph inputs and no guard depends on the layer's index): one per layer type, plus
         one for the first layer, whose input needs no gradient (checked with 10 layers: 3 graphs). Graph breaks
         stay local to a layer. Inductor options default to `pipeline.compile_setup.layer_compile_options()` (the
-        long-sample workaround; an `options=` given here replaces them)."""
+        long-sample workaround; an `options=` given here replaces them). Training passes `dynamic=True` when its
+        batches come in many shapes (data/sampler.py `shapes_vary`): one graph per variant from the first step."""
         if "options" not in kwargs:
             from pipeline.compile_setup import layer_compile_options
 

@@ -234,6 +234,15 @@ def padded_len(n: int, multiple: int = FLEX_BLOCK) -> int:
 
 
 _COMPILED: dict = {}  # name -> torch.compile'd function, one per process
+_DYNAMIC: list = [None]  # torch.compile's `dynamic` for the table builder (set_dynamic_shapes)
+
+
+def set_dynamic_shapes(dynamic: Optional[bool]) -> None:
+    """The compiled table builder's `dynamic`: True when a run's batches come in many shapes (packed rows, mixed
+    lengths), so its first compile is the dynamic one and no later shape recompiles (issue 46 item 2; the
+    drafter's layers get the same flag, stages/train_task.py); None is torch's default (static first, dynamic
+    at the first new shape). Set before the first batch; each value has its own compiled builder."""
+    _DYNAMIC[0] = dynamic
 
 
 def _flex_attention(compile: bool):
@@ -388,9 +397,10 @@ def flex_block_mask(
     lens = _seq_lens(seq_lens, B, ctx_len, dev)
     build = _all_tables
     if (dev.type == "cuda") if compile is None else compile:
-        if "tables" not in _COMPILED:
-            _COMPILED["tables"] = torch.compile(_all_tables)
-        build = _COMPILED["tables"]
+        key = "tables" if _DYNAMIC[0] is None else f"tables dynamic={_DYNAMIC[0]}"
+        if key not in _COMPILED:
+            _COMPILED[key] = torch.compile(_all_tables, dynamic=_DYNAMIC[0])
+        build = _COMPILED[key]
     docs = None if doc_ids is None else doc_ids.to(dev).long()
     # the rule resolved before the compiled builder sees it: None and its meaning (causal exactly when windowed)
     # are one graph, not two (a guard on the argument's value would recompile the tables for each spelling)

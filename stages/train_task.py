@@ -112,8 +112,15 @@ class DrafterTask(L.LightningModule):
             # legitimate variants: input requires_grad (first layer or not) x layer type x grad mode (training
             # or validation) x static then dynamic shapes = up to 16. A tiny CPU run with compile on (varying
             # lengths, one batch of 1, validation) already needs 8, dynamo's default.
-            prepare_compile(limit=16)  # and Inductor workarounds (pipeline/compile_setup.py)
-            self.drafter.compile_layers()  # regional compilation (see DFlashDrafter.compile_layers)
+            from data.sampler import shapes_vary
+            from pipeline.masks import set_dynamic_shapes
+
+            # batches of many shapes (packed rows, mixed lengths): dynamic from the first compile, so no new
+            # size recompiles after step 1 (issue 46 item 2); one padded length keeps torch's static kernels
+            dynamic = True if shapes_vary(self.train_sampler, 128 if self.device.type == "cuda" else 1) else None
+            prepare_compile(limit=16, dynamic=dynamic)  # and Inductor workarounds (pipeline/compile_setup.py)
+            set_dynamic_shapes(dynamic)
+            self.drafter.compile_layers(dynamic=dynamic)  # regional compilation (see DFlashDrafter.compile_layers)
 
     def on_train_start(self) -> None:  # after the checkpoint's states are restored
         self._fit_started = time.time()
