@@ -178,7 +178,7 @@ def e2emfu(c: Ctx) -> list:
     return [_e2e(c, "64", "", ["--cold-steps", "1", "--steps", c.var("E2E_STEPS", "53", "5"), "--gpus", "0", "0",
                  "--checkpoint-every", c.var("E2E_CKPT_EVERY", "20", "2"),
                  "--out", str(c.out / "e2e_mfu.json")], "e2e_mfu.log", limit="420", show=12,
-                 only=r"first batch done|start-up|checkpoint|Error|error|^run |^warm|^cold|MFU")]
+                 only=r"first batch done|start-up|checkpoint|Error|error|^run |^warm|^cold|MFU|recompil")]
 
 
 @part("e2eprof")
@@ -442,7 +442,7 @@ def packmfu(c: Ctx) -> list:
                 "--gpus", "0", "0@train.packing=true", "--out", str(c.out / f"packmfu_{mix}.json")]
         steps.append(_bench(c, "train_e2e.py", args, PM_TINY, f"packmfu_{mix}.log",
                             timeout=float(c.var("PM_LIMIT", "470" if mix == "chat" else "560", "1800")), show=14,
-                            only=r"first batch done|Error|error|^run |^warm|^cold|MFU|mix", clean=[str(c.tmp / f"pm-{mix}")]))
+                            only=r"first batch done|Error|error|^run |^warm|^cold|MFU|mix|recompil", clean=[str(c.tmp / f"pm-{mix}")]))
     return steps
 
 

@@ -203,6 +203,14 @@ def step_bubbles(lines: list, skip: int = 3, slow: float = 1.2) -> dict:
     return {"median_step_s": med, "slow_steps": slow_steps, "checkpoint_lines": len(ckpts)}
 
 
+def recompiles(lines: list) -> dict:
+    """dynamo's recompiles in a run's log (dflash's one-line form and dynamo's full dump), before and after the
+    first optimizer step's line: issue 46 item 2's goal is none after it (one compile per run)."""
+    first = next((i for i, (_, x) in enumerate(lines) if re.match(r"train: step \d+/", x)), len(lines))
+    hit = [i for i, (_, x) in enumerate(lines) if re.match(r"(train: recompiling |.*Recompiling function )", x)]
+    return {"recompiles_by_step_1": sum(i < first for i in hit), "recompiles_after_step_1": sum(i > first for i in hit)}
+
+
 def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: str, layers: list[int], gpus: str,
         extra: tuple = (), checkpoint_every: int = 100000, keep=None) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -240,7 +248,7 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     shutil.rmtree(run_dir, ignore_errors=True)  # a 27B-shape checkpoint is ~21 GB (fp32 weights + AdamW)
     return {"rc": rc, "gpus": gpus, "wall_s": time.time() - t0, "first_batch_s": first, "first_batch_per_rank_s": firsts,
             "steady_steps_s": steady, "steps": stamps[-1][1] if stamps else 0, "final_checkpoint_s": final,
-            "startup_phases_s": startup, "checkpoint_stalls_s": stalls, **bubbles,
+            "startup_phases_s": startup, "checkpoint_stalls_s": stalls, **bubbles, **recompiles(lines),
             "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at,
             "useful": kept, "profile": profile, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
@@ -335,6 +343,7 @@ def main() -> int:
               f"{end:>7.1f}{ex:>8.1f}{r['wall_s']:>8.0f}{max([s for _, s in r['checkpoint_stalls_s']], default=nan):>14.2f}")
         if r["startup_phases_s"]:
             print("    start-up: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup_phases_s"].items()))
+        print(f"    recompiles: {r['recompiles_by_step_1']} by the first step's line, {r['recompiles_after_step_1']} after it")
         if r.get("median_step_s") and keep is None:
             med_mfu = accum / r["median_step_s"] * flops / (a.peak_tflops * 1e12)
             r["mfu_at_median_step"] = med_mfu
