@@ -1,8 +1,9 @@
 """Where `dflash train`'s start-up goes before the first batch (issue 22 item 1), without a GPU step.
 
 Each measurement runs in a fresh interpreter:
-1. `imports`: the launch path's imports (stages.cli, stages.train, stages.train_task: torch, Lightning,
-   torchmetrics, torch._dynamo, ...), wall seconds, with and without cProfile. Inside both, the seconds spent in
+1. `imports`: the launch path's imports (stages.cli, stages.train, then train's Lightning phase: torch, Lightning
+   with torchmetrics reduced (stages/lightning_import.py), torch._dynamo, ...), wall seconds, with and without
+   cProfile, and without the reduction (`full torchmetrics`, as before issue 46). Inside both, the seconds spent in
    torch's custom-op registration source lookup (`torch._library.utils.get_source`: `inspect.getframeinfo`
    for every custom op registered at import, which reads and scans source files) and how many calls: cProfile
    charges its per-call overhead to each of the many small Python calls under it, so the same imports look
@@ -37,18 +38,21 @@ def timed(stacklevel):
     t = time.perf_counter(); r = orig(stacklevel + 1); tot[0] += time.perf_counter() - t; tot[1] += 1; return r
 u.get_source = timed
 t0 = time.perf_counter()
-import stages.cli, stages.train, stages.train_task  # the launch path's imports
-print(json.dumps({"imports_s": time.perf_counter() - t0, "get_source_s": tot[0], "get_source_calls": tot[1],
+import stages.cli, stages.train, stages.train_phases  # the launch path's imports, then its Lightning phase
+stages.train_phases.import_lightning()  # Lightning (torchmetrics reduced, unless DFLASH_FULL_TORCHMETRICS=1) + modules
+print(json.dumps({"imports_s": time.perf_counter() - t0, "transformers": "transformers" in sys.modules, "get_source_s": tot[0], "get_source_calls": tot[1],
                   "modules": len(sys.modules)}))
 """
 
 
-def probe(profiled: bool) -> dict:
-    """The launch path's imports in a fresh interpreter (after `import torch`, whose own time is not in it)."""
+def probe(profiled: bool, full: bool = False) -> dict:
+    """The launch path's imports in a fresh interpreter (after `import torch`, whose own time is not in it); `full`:
+    torchmetrics imported in full (DFLASH_FULL_TORCHMETRICS=1, as before issue 46)."""
     code = ("import cProfile; cProfile.run(compile(%r, 'probe', 'exec'), '/dev/null')" % PROBE) if profiled else PROBE
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+                         env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                              "DFLASH_FULL_TORCHMETRICS": "1" if full else "0"})
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["process_s"] = time.perf_counter() - t0
     return r
@@ -57,7 +61,8 @@ def probe(profiled: bool) -> dict:
 def importtime(top: int = 15) -> dict:
     """`-X importtime` of the launch path (after `import torch`, timed apart): self seconds by top-level package,
     the `top` slowest modules by cumulative seconds."""
-    code = "import torch, time; t0 = time.perf_counter(); import stages.cli, stages.train, stages.train_task"
+    code = ("import torch, time; t0 = time.perf_counter(); import stages.cli, stages.train, stages.train_phases; "
+            "stages.train_phases.import_lightning()")
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     rows = []  # (self us, cumulative us, module, depth)
@@ -80,15 +85,17 @@ def main() -> int:
     ap.add_argument("--sha-mb", type=int, default=1024, help="MB hashed for the sha256 rate")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    res = {"plain": probe(False), "cprofile": probe(True), "importtime": importtime()}
+    res = {"plain": probe(False), "full torchmetrics": probe(False, full=True), "cprofile": probe(True),
+           "importtime": importtime()}
     buf = os.urandom(1 << 20) * a.sha_mb
     t0 = time.perf_counter()
     hashlib.sha256(buf).hexdigest()
     res["sha256_MB_s"] = a.sha_mb * 1.048576 / (time.perf_counter() - t0)
-    for k in ("plain", "cprofile"):
+    for k in ("plain", "full torchmetrics", "cprofile"):
         r = res[k]
-        print(f"{k:<9} launch-path imports {r['imports_s']:5.2f} s (process {r['process_s']:5.2f} s, {r['modules']} "
-              f"modules); custom-op source lookups {r['get_source_calls']} calls, {r['get_source_s']:.2f} s")
+        print(f"{k:<17} launch-path imports {r['imports_s']:5.2f} s (process {r['process_s']:5.2f} s, {r['modules']} "
+              f"modules, transformers {'imported' if r['transformers'] else 'not imported'}); custom-op source "
+              f"lookups {r['get_source_calls']} calls, {r['get_source_s']:.2f} s")
     it = res["importtime"]
     print(f"importtime ({it['modules']} modules after torch), self seconds by package: "
           + ", ".join(f"{k} {v:.2f}" for k, v in it["self_s_by_package"].items()))
