@@ -17,6 +17,8 @@
 #        and the profile of 10 end-to-end steps)
 #   NODE_PHASES=prepare bash bench/device_run.sh node8                       (issue 34 on nvidia-h200-x8; then the
 #        phases run, extract, train: one call each, bench/node_bench.py)
+#   bash bench/device_run.sh startup ckptwrite e2emfu                        (issue 46: imports, the checkpoint write's rate and GIL
+#        share on the host disk, warm first batch, checkpoint stall; PM_MIXES=chat ... packmfu: recompiles after step 1)
 #   bash bench/device_run.sh gpuleft                                         (what wave 4 left: the GPU train pipeline
 #        and the cached fast forward's GPU test; then issue 28's long-mix row: PM_MIXES=long, part packmfu)
 #   bash bench/device_run.sh concurrent                                      (2 GPUs, ~6 min: issue 17)

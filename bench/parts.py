@@ -209,6 +209,14 @@ def startup(c: Ctx) -> list:
     return [_bench(c, "startup_bench.py", ["--out", str(c.out / "startup.json")], ["--sha-mb", "8"], "startup.log")]
 
 
+@part("ckptwrite")
+def ckptwrite(c: Ctx) -> list:
+    """Issue 46 item 3 (host only, ~2 min at 8 GiB): a checkpoint write's rate on this disk and the GIL share it
+    leaves the main thread, as shipped, through torch's path writer, without CRC32, and as raw bytes (the ceiling)."""
+    return [_bench(c, "ckpt_write_bench.py", ["--gib", c.var("CW_GIB", "8", "0.05"), "--dir", str(c.tmp / "ckpt-write"),
+                   "--out", str(c.out / "ckpt_write.json")], [], "ckpt_write.log")]
+
+
 def _extract(c: Ctx, arch: str, encodings: str, store: str, out: str, *extra: str, env: dict | None = None) -> Step:
     args = ["--arch", arch, "--tokens", c.var("EXTRACT_TOKENS", "120000", "400"), "--clevel", "1", "--encodings", encodings,
             *extra, "--store-dir", store, "--out", str(c.out / f"{out}.json")]
