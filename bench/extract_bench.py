@@ -186,9 +186,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kernel-cache", default=None, help="Triton cache dir (default: dflash's, kept across runs)")
     ap.add_argument("--writers", default="thread",
                     help="comma list of writer variants run for each encoding (issue 22 item 4): thread (dflash's "
-                         "writer thread), null (everything but the store write: forward, capture, encode, copy), "
-                         "switch (the writer thread with sys.setswitchinterval(--switch-interval))")
-    ap.add_argument("--switch-interval", type=float, default=0.0005)
+                         "writer thread), null (everything but the store write: forward, capture, encode, copy)")
     ap.add_argument("--forward", default="fast", choices=["fast", "reference"],
                     help="fast: dflash's fast forward where it applies, as `dflash extract` runs (pipeline/fast_forward.py);"
                          " reference: transformers' forward (extract.fast_forward: false)")
@@ -275,16 +273,10 @@ def main(argv=None) -> None:
                                    np.ones(T, np.uint8), parts)
             busy[0] += time.perf_counter() - t
 
-        interval = sys.getswitchinterval()
-        if variant == "switch":
-            sys.setswitchinterval(a.switch_interval)
-        try:
-            ext_s, fwd_s, _ = timed_extract(model, layer_ids, enc, dev, batches, on_batch, sync)
-        finally:
-            sys.setswitchinterval(interval)
+        ext_s, fwd_s, _ = timed_extract(model, layer_ids, enc, dev, batches, on_batch, sync)
         disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
         bpt = disk / n_tok
-        results["encodings"][key] = {"variant": variant, "switch_interval": a.switch_interval if variant == "switch" else interval,
+        results["encodings"][key] = {"variant": variant, "switch_interval": sys.getswitchinterval(),
                                      "tok_s": n_tok / ext_s, "bytes_per_token": bpt, "drain_s": ext_s - fwd_s,
                                      "writer_busy_s": busy[0], "wall_s": ext_s,
                                      "write_MB_s": n_tok * len(layer_ids) * hidden * 2 / max(busy[0], 1e-9) / 1e6}  # bf16-equivalent MB/s

@@ -100,10 +100,9 @@ def main(argv=None) -> None:
                     help="an untimed extraction over this many batches first, per encoding (queue depth + 1: the "
                          "pinned host buffers a shard makes once, ~1 GB each in bf16, are then in the allocator's cache)")
     ap.add_argument("--writers", default="thread",
-                    help="comma list of store writers per encoding: thread (as shipped), switch (the thread with "
-                         "sys.setswitchinterval(--switch-interval)), process (bench/proc_writer.py: zarr in a child "
-                         "process), null (no store write: the ceiling of any writer change)")
-    ap.add_argument("--switch-interval", type=float, default=0.0005)
+                    help="comma list of store writers per encoding: thread (as shipped), null (no store write: the "
+                         "ceiling of any writer change; the measured and not adopted variants are in "
+                         "docs/benchmarks-log.md, 'Experiments that left bench/')")
     ap.add_argument("--no-reference", action="store_true", help="skip step 1 (transformers' forward; measured before)")
     ap.add_argument("--profile-batches", type=int, default=3, help="batches per profiled window (0: no profile)")
     ap.add_argument("--kernel-cache", default=None)
@@ -193,37 +192,26 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
 
     def run(enc, which, variant="thread"):  # one pipelined_extract run into a fresh store
         path, prov = bench_store(root, enc, cfg, layer_ids, 1, a.seq, writer=False)
-        if variant == "process":
-            from bench.proc_writer import ProcessWriter
+        from pipeline import store as st
 
-            writer = ProcessWriter(path, prov)
-            write = lambda n, parts: writer.write(n, a.seq, parts)  # noqa: E731
-        else:
-            from pipeline import store as st
+        writer = st.ShardWriter(path, 0, prov)
 
-            writer = st.ShardWriter(path, 0, prov)
-
-            def write(n, parts):
-                T = parts["features"].shape[0]
-                writer.write_batch(np.arange(n, dtype=np.uint64), np.zeros(n, np.uint8), np.array([a.seq] * n, np.int32),
-                                   np.zeros(T, np.int32), np.ones(T, np.uint8), parts)
+        def write(n, parts):
+            T = parts["features"].shape[0]
+            writer.write_batch(np.arange(n, dtype=np.uint64), np.zeros(n, np.uint8), np.array([a.seq] * n, np.int32),
+                               np.zeros(T, np.int32), np.ones(T, np.uint8), parts)
 
         def on_batch(members, parts, bad):
             if variant != "null":
                 write(len(members), parts)
 
         feed = [(list(range(b.shape[0])), b, [b.shape[1]] * b.shape[0]) for b in which]
-        interval = sys.getswitchinterval()
-        if variant == "switch":
-            sys.setswitchinterval(a.switch_interval)
         try:  # before: the last forward and encode ended; the copy and write of the last batch (once a shard) follow
             wall, before, stats = timed_extract(model, layer_ids, enc, dev, feed, on_batch, sync)
-            t0 = time.perf_counter()
         finally:
-            sys.setswitchinterval(interval)
-            writer.close()  # the process writer's child still writes the last batch: its wall time waits for it
+            writer.close()
             shutil.rmtree(path, ignore_errors=True)
-        return wall + (writer.done_at - t0 if variant == "process" else 0.0), before, stats
+        return wall, before, stats
 
     for enc in a.encodings.split(","):
         warm = batches[:a.warmup_batches]  # the first batches of a shard pin host buffers (below)

@@ -184,9 +184,9 @@ def test_fastfwd_can_run_its_bench_alone_with_a_profile_and_without_fp8(tmp_path
     monkeypatch.setenv("FF_TEST_FILES", "")
     monkeypatch.setenv("FF_FP8", "0")
     monkeypatch.setenv("FF_PROFILE", "4")
-    monkeypatch.setenv("FF_WRITERS", "thread,switch,process,null")
+    monkeypatch.setenv("FF_WRITERS", "thread,null")
     monkeypatch.setenv("FF_REF", "0")
     (bench,) = steps_of("fastfwd", tmp_path, False)
     assert "--no-fp8-gemm" in bench.argv and bench.argv[bench.argv.index("--profile-batches") + 1] == "4"
-    assert bench.argv[bench.argv.index("--writers") + 1] == "thread,switch,process,null" and "--no-reference" in bench.argv
+    assert bench.argv[bench.argv.index("--writers") + 1] == "thread,null" and "--no-reference" in bench.argv
     assert len(steps_of("fastfwd", tmp_path, True)) == 2  # the smoke run keeps the test collection
