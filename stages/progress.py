@@ -108,9 +108,14 @@ class ProgressLines(L.Callback):
         tmp.replace(self.run_dir / "progress.json")
 
 
+def final_writes(trainer, checkpoint, last: Path) -> bool:
+    """Whether `save_final` writes: not when a checkpoint of this very step exists (or is being written)."""
+    return not (getattr(checkpoint, "_last_global_step_saved", -1) == trainer.global_step and last.exists())
+
+
 def save_final(trainer, checkpoint, last: Path) -> None:
     """Make RUN/checkpoints/last.ckpt hold the final state, writing only if no checkpoint has this step yet."""
-    if getattr(checkpoint, "_last_global_step_saved", -1) == trainer.global_step and last.exists():
+    if not final_writes(trainer, checkpoint, last):
         return  # last.ckpt links the step checkpoint written at this very step
     from stages.train_ckpt_io import AsyncCheckpointIO
 
@@ -140,7 +145,13 @@ class FinalCheckpoint:
     def __call__(self, trainer, pl_module) -> None:
         from stages.train_ckpt_io import wait_for_checkpoints
 
+        from stages.train_ckpt_io import AsyncCheckpointIO
+
         t = (self.progress.done_at if self.progress is not None else None) or time.time()
+        io = trainer.strategy.checkpoint_io
+        if trainer.is_global_zero and isinstance(io, AsyncCheckpointIO) and final_writes(trainer, self.checkpoint,
+                                                                                         self.last):
+            io.supersede()  # an older step checkpoint still being written: the final one replaces it (issue 46)
         wait_for_checkpoints(trainer, sync=True)  # a step checkpoint still being written (last.ckpt follows it)
         save_final(trainer, self.checkpoint, self.last)
         self.saved = True

@@ -17,6 +17,9 @@ Contract:
 - Loading (`--resume`) goes through pipeline.ckpt_io: weights_only with dflash's allow-list, whatever Lightning
   asks for, so a planted last.ckpt cannot run code. A write that fails with OSError (a full disk) names its file
   (`e.filename`), which pipeline.preflight's one-line disk message reads.
+- `supersede()` gives up the write in flight because the next save replaces it (the final checkpoint): its file is
+  never put in place, its link is not made (last.ckpt keeps naming the previous complete checkpoint), and the
+  removals it held run once the next write is in place (after a failed one, never).
 - `wait()` returns once the last write is in place (the end of fit, before an export reads the checkpoint and
   before the process exits; Lightning's teardown calls it too).
 """
@@ -65,13 +68,33 @@ class _NoCrc32:
             _CRC_LOCK.release()
 
 
-def write_atomic(obj, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, fsync, rename into place, fsync the directory."""
+class Superseded(Exception):
+    """A write given up because a newer checkpoint replaces it (`AsyncCheckpointIO.supersede`)."""
+
+
+class _Stoppable:
+    """The file torch.save streams into, refusing the next write once `stop` is set (the write then unwinds)."""
+
+    def __init__(self, f, stop: threading.Event):
+        self.f, self.stop = f, stop
+
+    def write(self, b) -> int:
+        if self.stop.is_set():
+            raise Superseded()
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_atomic(obj, path: Path, stop: threading.Event | None = None) -> None:
+    """torch.save to a temporary file beside `path`, fsync, rename into place, fsync the directory. `stop` set
+    during the write: `Superseded` is raised and nothing replaces `path` (the temporary file is removed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f, _NoCrc32():
-            torch.save(obj, f)  # streams as it serialises: no second in-memory copy of the checkpoint
+            torch.save(obj, f if stop is None else _Stoppable(f, stop))  # streams: no second in-memory copy
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -194,8 +217,10 @@ class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-checkpoint")
         self._pending: Future | None = None
         self._lock = threading.Lock()
-        self._after: list[Callable[[], None]] = []
+        self._after: list[tuple[str, Callable[[], None]]] = []  # (kind, action) for the write in flight
+        self._deferred: list[Callable[[], None]] = []  # a superseded write's removals: after the next write
         self._writing = False  # a write is in flight and has not yet taken its after_write actions
+        self._stop: threading.Event | None = None  # set to give up the write in flight (supersede)
         self._copy = HostCopy()
         self.reserve = self._copy.reserve  # pin the first save's buffers early (stages/train_task.on_train_start)
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -212,30 +237,55 @@ class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: 
         self.stalls.append(stall)
         path = Path(str(path).removeprefix("file://"))
         with self._lock:
-            self._writing = True
-            self._pending = self._pool.submit(self._write, host, path, stall, waited)
+            self._writing, self._stop = True, threading.Event()
+            self._pending = self._pool.submit(self._write, host, path, stall, waited, self._stop)
 
-    def _write(self, host, path: Path, stall: float, waited: float) -> None:
+    def _write(self, host, path: Path, stall: float, waited: float, stop: threading.Event) -> None:
         t0 = time.perf_counter()
         try:
-            write_atomic(host, path)
-        finally:
+            write_atomic(host, path, stop)
+        except Superseded:  # its link would name a file that is not there; its removals wait for the next write
             with self._lock:
                 after, self._after, self._writing = self._after, [], False
-        for fn in after:
+                self._deferred += [fn for kind, fn in after if kind == "remove"]
+            self.log(f"train: checkpoint {path.name} given up after {time.perf_counter() - t0:.1f} s: the final "
+                     "checkpoint replaces it")
+            return
+        except BaseException:
+            with self._lock:
+                self._after, self._writing, self._deferred = [], False, []
+            raise
+        with self._lock:
+            after, self._after, self._writing = self._after, [], False
+            deferred, self._deferred = self._deferred, []
+        for _, fn in after:
+            fn()
+        for fn in deferred:
             fn()
         prior = f" ({waited:.2f} s of it for the previous write)" if waited >= 0.01 else ""
         self.log(f"train: checkpoint {path.name} written: training waited {stall:.2f} s{prior} to copy it to host "
                  f"memory; the write behind it took {time.perf_counter() - t0:.1f} s")
 
-    def after_write(self, fn: Callable[[], None]) -> None:
+    def supersede(self) -> bool:
+        """Give up the write in flight, if any, because the next save replaces it (the final checkpoint at the end
+        of a fit: at the 27B shape waiting for the last step checkpoint's write cost 16.5 s before the final one's
+        own, issue 46). Its file is never put in place and its last.ckpt link is not made (last.ckpt keeps
+        naming the previous checkpoint); the removals it held run after the next write is in place. -> whether a
+        write was in flight."""
+        with self._lock:
+            if not self._writing or self._stop is None:
+                return False
+            self._stop.set()
+            return True
+
+    def after_write(self, fn: Callable[[], None], kind: str = "link") -> None:
         """Run `fn` once the write in flight is in place (now when there is none). When that write failed (it
         can fail before Lightning asks for what follows it: a disk already full), `fn` is dropped: the link and
         the removal it stands for follow a file that is not there, and the previous checkpoint stays named by
         last.ckpt (the write's error is raised by the next save or wait)."""
         with self._lock:
             if self._writing:
-                self._after.append(fn)
+                self._after.append((kind, fn))
                 return
             pending = self._pending
         if pending is not None and pending.done() and pending.exception() is not None:
@@ -243,10 +293,10 @@ class AsyncCheckpointIO(safe_checkpoint_io_class(TorchCheckpointIO)):  # loads: 
         fn()
 
     def remove_checkpoint(self, path) -> None:
-        self.after_write(lambda: super(AsyncCheckpointIO, self).remove_checkpoint(path))
+        self.after_write(lambda: super(AsyncCheckpointIO, self).remove_checkpoint(path), kind="remove")
 
     def wait(self) -> None:
-        """Until the last write is in place; raises its error, if it failed."""
+        """Until the last write is in place (or given up); raises its error, if it failed."""
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:

@@ -28,10 +28,10 @@ def gate(monkeypatch):
     """Writes wait until the test opens the gate; `started` is set when one begins."""
     opened, started, real = threading.Event(), threading.Event(), io_mod.write_atomic
 
-    def gated(obj, path):
+    def gated(obj, path, stop=None):
         started.set()
         assert opened.wait(120), "the test never opened the gate"
-        real(obj, path)
+        real(obj, path, stop)
     monkeypatch.setattr(io_mod, "write_atomic", gated)
     return opened, started
 
@@ -261,3 +261,59 @@ def test_a_write_skips_the_records_crc32_loads_back_equal_and_restores_torchs_se
     assert crcs(tmp_path / "plain.pt")["data/0"] != 0 and crcs(tmp_path / "a.ckpt")["data/0"] == 0
     back = load_training_checkpoint(tmp_path / "a.ckpt")
     assert back["global_step"] == 7 and torch.equal(back["state_dict"]["w"], obj["state_dict"]["w"])
+
+
+def test_a_stopped_write_raises_and_leaves_the_previous_file(tmp_path):
+    path = tmp_path / "a.ckpt"
+    io_mod.write_atomic(ckpt(1.0), path)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(io_mod.Superseded):
+        io_mod.write_atomic(ckpt(2.0), path, stop)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["a.ckpt"]  # no temporary file left
+
+
+def test_the_final_save_supersedes_a_write_in_flight(tmp_path, gate):
+    """Issue 46 item 3: a step checkpoint still being written when the final one comes is given up: its file never
+    appears, its link is not made, and the removal it held (the step file it replaced) runs after the final write."""
+    opened, started = gate
+    lines: list[str] = []
+    io = AsyncCheckpointIO(log=lines.append)
+    done: list[str] = []
+    opened.set()
+    io.save_checkpoint(ckpt(1.0), tmp_path / "step1.ckpt")
+    io.wait()
+    opened.clear()
+    started.clear()
+    io.save_checkpoint(ckpt(2.0), tmp_path / "step2.ckpt")
+    io.after_write(lambda: done.append("link last -> step2"))
+    io.after_write(lambda: (done.append("remove step1"), (tmp_path / "step1.ckpt").unlink()), kind="remove")
+    assert started.wait(60)
+    assert io.supersede()
+    opened.set()
+    io.save_checkpoint(ckpt(3.0), tmp_path / "last.ckpt")  # the final save: waits for the given-up write only
+    io.wait()
+    assert done == ["remove step1"]  # after the final write, and no link to the file that was given up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 3
+    assert any("step2.ckpt given up" in x for x in lines) and not io.supersede()  # nothing in flight now
+
+
+def test_a_superseded_writes_removals_never_run_when_the_final_write_fails(tmp_path, gate, monkeypatch):
+    opened, started = gate
+    io = AsyncCheckpointIO(log=lambda s: None)
+    done: list[str] = []
+    io.save_checkpoint(ckpt(2.0), tmp_path / "step2.ckpt")
+    io.after_write(lambda: done.append("remove step1"), kind="remove")
+    assert started.wait(60) and io.supersede()
+    opened.set()
+    io.wait()
+
+    def full(obj, path, stop=None):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(io_mod, "write_atomic", full)
+    io.save_checkpoint(ckpt(3.0), tmp_path / "last.ckpt")
+    with pytest.raises(OSError):
+        io.wait()
+    assert done == [] and not (tmp_path / "last.ckpt").exists()  # the previous checkpoint keeps its file
