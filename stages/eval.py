@@ -53,7 +53,7 @@ from pipeline.config import Config, resolve_config
 from pipeline.drafter import draft_blocks
 from pipeline.encoding import decode, from_storage, part_names
 from pipeline.masks import anchor_candidates
-from stages.eval_plots import read_metrics, write_plots
+from stages import eval_phases
 from stages.eval_online import run_online
 
 from stages.eval_online import MISMATCH_BANNER, EvalError, log  # noqa: F401 - re-exported (cli, tests)
@@ -328,6 +328,9 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
              store: Optional[str] = None, online: bool = False, out: Optional[str] = None,
              device: Optional[str] = None, cache: str = "auto", max_samples: Optional[int] = 1000,
              threads: Optional[int] = None, as_json: bool = False) -> int:
+    """`dflash eval` (the module contract): the drafter and its config resolved, the store checked, then the phases
+    of stages/eval_phases.py (offline, online, the outputs) and the headline (or, --json, the report) on stdout.
+    The exit code: 1 when speculative output differs from greedy, else 0."""
     overrides = list(overrides)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     drafter, src = load_drafter(drafter_path, "cpu", torch.float32)
@@ -337,17 +340,9 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
     embedded = cfg_source == f"{src.path} (embedded config)"
     if embedded and online:
         _refuse_embedded_target(src, overrides)
-    arch = drafter.arch
     out_dir = Path(out) if out else ((src.run_dir / "eval") if src.run_dir else Path("runs/eval"))
-    report: dict = {
-        "drafter": {"path": str(drafter_path), "kind": src.kind, "block_size": arch.block_size,
-                    "target_layer_ids": arch.target_layer_ids, "mask_token_id": arch.mask_token_id,
-                    "is_causal": arch.is_causal,  # the attention rule inside the block it was drafted with
-                    "parameters": sum(p.numel() for p in drafter.parameters()),
-                    "origin": src.origin, "described": describe_origin(src)},
-        "config": cfg_source,
-        "run_dir": str(src.run_dir) if src.run_dir else None,
-    }
+    report = eval_phases.drafter_report(drafter=drafter, drafter_path=drafter_path, src=src, cfg_source=cfg_source,
+                                        described=describe_origin(src))
     store_path = _choose_store(store, src, cfg)
     log(startup_line(cfg_source, cfg.target.path if online else None, store_path, src.run_dir, out_dir))
     log(f"eval: evaluating {describe_origin(src)}")
@@ -357,65 +352,14 @@ def run_eval(drafter_path: str, *, config_path: Optional[str] = None, overrides:
         known = bool(config_path) or not (cfg_source.endswith("(default)") or embedded)
         check_eval_store(src, cfg, store_attrs, known=known)
     encoding = (store_attrs or {}).get("encoding") or src.encoding or cfg.store.encoding
-    if store_attrs is not None:
-        log(f"eval: offline on {store_path} (drafter: {src.kind} {drafter_path})")
-        report["offline"] = run_offline(drafter, store_path, cfg.eval.max_anchors_per_sample, dev,
-                                        max_samples=max_samples)
-        o = report["offline"]
-        log(f"eval: offline tau {o['tau']:.3f} (uniform over {o['blocks']} anchors of {o['samples']} samples; "
-            f"from per-slot accuracy {o['tau_from_slot_acc']:.3f}), serving walk {o['serving_walk']['tau']:.3f} "
-            f"tokens/step; slot accuracy " + " ".join(f"{a:.2f}" for a in o["slot_accuracy"]))
-    elif not online:
-        raise EvalError(f"no store at {store_path} for the offline eval; pass --store PATH (or --online to decode "
-                        "with the target instead)")
-    else:
-        log(f"eval: no store at {store_path}; skipping the offline eval")
+    eval_phases.offline_phase(report=report, run_offline=run_offline, drafter=drafter, src=src,
+                              drafter_path=drafter_path, store_path=store_path, store_attrs=store_attrs,
+                              online=online, max_anchors=cfg.eval.max_anchors_per_sample, dev=dev,
+                              max_samples=max_samples)
     code = 0
-    if online:
-        log(f"eval: online on {cfg.target.path} ({dev}), {cfg.eval.num_prompts} prompts x "
-            f"{cfg.eval.max_new_tokens} new tokens")
-        report["online"] = r = run_online(drafter, cfg, dev, encoding, cfg.eval.num_prompts, cfg.eval.max_new_tokens,
-                                          cache, store_attrs, threads)
-        base = "plain sampling" if r.get("temperature") else "greedy"
-        log(f"eval: online tau {r['tau']:.3f} tokens/verify step, {r['tokens_per_target_forward']:.3f} tokens/target "
-            f"forward, speedup {r['speedup']:.2f}x over {base} ({r['greedy_tokens_per_second']:.1f} -> "
-            f"{r['speculative_tokens_per_second']:.1f} tok/s, cache={r['cache']}, {r['prompts']} prompts, "
-            f"{r['new_tokens']} tokens)")
-        if r["mismatches"]:
-            code = 1
-            first = r["mismatch_details"][0]
-            log(f"{MISMATCH_BANNER}\neval: BUG: speculative output differs from plain greedy decoding on "
-                f"{r['mismatches']} of {r['prompts']} prompts (speculative decoding must be lossless); "
-                f"first: {first['sample_id']} at token {first['first_difference']} "
-                f"(target logit gap between the two choices: {first['logit_margin']}; ~0 means a "
-                f"numerical near-tie, e.g. bf16 kernels; try --set target.dtype=float32)\n{MISMATCH_BANNER}")
-        elif r.get("temperature"):
-            log(f"eval: sampled at temperature {r['temperature']} (top-p {r['top_p']}): lossless by the rejection "
-                "rule in distribution; outputs are not compared token for token")
-        else:
-            log(f"eval: lossless: speculative output equals greedy token for token on all {r['prompts']} prompts")
-        if "offline" in report:
-            o = report["offline"]
-            report["online_vs_offline_tau"] = {"vs_serving_walk": round(r["tau"] / o["serving_walk"]["tau"] - 1, 4),
-                                               "vs_uniform": round(r["tau"] / o["tau"] - 1, 4)}
-            rel = report["online_vs_offline_tau"]
-            log(f"eval: online tau is {rel['vs_serving_walk']:+.1%} relative to the offline "
-                f"serving walk ({o['serving_walk']['tau']:.3f}), {rel['vs_uniform']:+.1%} "
-                f"relative to the uniform offline tau ({o['tau']:.3f})")
-    from stages.eval_record import by_context, describe_by_context, record_eval
-
-    report["by_context"] = by_context(report)
-    if report["by_context"]:
-        log(f"eval: {describe_by_context(report['by_context'])}")
-    metrics = read_metrics(src.run_dir) if src.run_dir else {}
-    if metrics:
-        report["training"] = {k: v[-1][1] for k, v in metrics.items() if k.startswith("val/")}
-        report["training"]["steps"] = max(s for v in metrics.values() for s, _ in v)
-    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused drafter or store leaves nothing behind
-    report["plots"] = write_plots(report, out_dir, metrics)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    log("eval: tau record " + ", ".join(str(p) for p in record_eval(report, cfg, out_dir, src, store_attrs)))
-    log(f"eval: report {out_dir / 'report.json'}; plots " + ", ".join(str(out_dir / p) for p in report["plots"]))
-    report["path"] = str(out_dir / "report.json")  # stdout: one headline tau, or (--json) the whole report
+    if online:  # run_online looked up here at the call (tests replace stages.eval.run_online)
+        code = eval_phases.online_phase(report=report, run_online=run_online, drafter=drafter, cfg=cfg, dev=dev,
+                                        encoding=encoding, cache=cache, store_attrs=store_attrs, threads=threads)
+    eval_phases.write_outputs(report=report, cfg=cfg, out_dir=out_dir, src=src, store_attrs=store_attrs)
     print(json.dumps(report, indent=1) if as_json else headline(report), flush=True)
     return code
