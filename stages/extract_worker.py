@@ -137,17 +137,45 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, l
 
 def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches: int, mine, lengths: list[int],
              tokenizer, stop: StopFlag, root_attrs: dict) -> int:
+    """The conductor of one shard's extraction, its phases in order: start (or resume) the shard's progress, load
+    the target (`_load_target`), write a missing frozen head (`_write_frozen_head`), run the loop over the batches
+    not yet committed (`_run_loop`), then finish the shard (`_finish`). -> the exit code."""
     shard_index, store_path = writer.index, writer.path
     prog = writer.start(plan_fingerprint(plan, [s.sample_id for s in mine]), len(mine), int(sum(lengths)), val_batches)
-    report = lambda p: emit("progress", shard=shard_index, batches=p.committed_batches, total_batches=len(plan),
-                            samples=p.committed_samples, tokens=p.committed_tokens, planned_samples=p.planned_samples,
-                            planned_tokens=p.planned_tokens, nonfinite=p.nonfinite_skipped, t=time.time())
+    report = _reporter(shard_index=shard_index, total_batches=len(plan))
     report(prog)
     head_path = st.frozen_head_path(store_path)
     if prog.done and st.exists(head_path):
         emit("done", shard=shard_index, already=True)
         return 0
+    model, device, dtype = _load_target(cfg=cfg, root_attrs=root_attrs)
+    if not st.exists(head_path):
+        _write_frozen_head(cfg=cfg, store_path=store_path, model=model, dtype=dtype, root_attrs=root_attrs)
+    if prog.done:  # the head was all a finished shard needed
+        emit("done", shard=shard_index, already=True)
+        return 0
+    capture = FeatureCapture(model, root_attrs["layer_ids"])
+    encoding = root_attrs["encoding"]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    delay = float(os.environ.get("DFLASH_TEST_EXTRACT_DELAY", "0") or 0)  # tests: a slow extraction to follow
+    feed = _batches(plan=plan, prog=prog, mine=mine, lengths=lengths, pad_id=pad_id, delay=delay)
+    on_batch = _committer(writer=writer, mine=mine, lengths=lengths, report=report)
+    _run_loop(cfg=cfg, model=model, capture=capture, encoding=encoding, device=device, feed=feed, on_batch=on_batch,
+              stop=stop, shard_index=shard_index, store_path=store_path)
+    return _finish(cfg=cfg, writer=writer, stop=stop, shard_index=shard_index, report=report)
 
+
+def _reporter(*, shard_index: int, total_batches: int):
+    """-> report(progress): emits one `progress` event (the parent reads it) with the shard's committed figures."""
+    return lambda p: emit("progress", shard=shard_index, batches=p.committed_batches, total_batches=total_batches,
+                          samples=p.committed_samples, tokens=p.committed_tokens, planned_samples=p.planned_samples,
+                          planned_tokens=p.planned_tokens, nonfinite=p.nonfinite_skipped, t=time.time())
+
+
+def _load_target(*, cfg: Config, root_attrs: dict) -> tuple:
+    """Load the frozen target on the GPU (or the CPU without one): the kernel cache first on CUDA, then the text
+    model's layers 0..max(layer_ids) only; log its kernels and memory, and whether the fast forward is on (or why
+    not). -> (model, device, dtype)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = DTYPES[cfg.target.dtype if cuda else cfg.target.cpu_dtype]
@@ -163,38 +191,41 @@ def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches
     from pipeline.fast_forward import enable
 
     print(enable(model, device, cfg.extract.fast_forward), file=sys.stderr, flush=True)  # or the reason it is off
-    if not st.exists(head_path):
-        from safetensors.torch import save
+    return model, device, dtype
 
-        from pipeline.provenance import write_frozen_head
 
-        # read from the checkpoint files (a trust_remote_code target: from the model)
-        tensors = frozen_head_from_checkpoint(cfg.target.path, dtype, model, cfg.target.trust_remote_code)
-        tied = root_attrs["target"]["tie_word_embeddings"]
-        if tied:
-            tensors.pop("lm_head.weight")
-        write_frozen_head(store_path, save(tensors, metadata={"tie_word_embeddings": str(tied).lower()}))
-    if prog.done:  # the head was all a finished shard needed
-        emit("done", shard=shard_index, already=True)
-        return 0
-    capture = FeatureCapture(model, layer_ids)
-    encoding = root_attrs["encoding"]
+def _write_frozen_head(*, cfg: Config, store_path: str, model, dtype: torch.dtype, root_attrs: dict) -> None:
+    """Write the store's frozen head (embeddings, final norm, lm_head unless tied to the embeddings), read from the
+    target's checkpoint files (a trust_remote_code target: from the loaded model)."""
+    from safetensors.torch import save
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    from pipeline.provenance import write_frozen_head
 
-    delay = float(os.environ.get("DFLASH_TEST_EXTRACT_DELAY", "0") or 0)  # tests: a slow extraction to follow
+    tensors = frozen_head_from_checkpoint(cfg.target.path, dtype, model, cfg.target.trust_remote_code)
+    tied = root_attrs["target"]["tie_word_embeddings"]
+    if tied:
+        tensors.pop("lm_head.weight")
+    write_frozen_head(store_path, save(tensors, metadata={"tie_word_embeddings": str(tied).lower()}))
 
-    def batches():
-        for batch in plan[prog.committed_batches:]:
-            if delay:
-                time.sleep(delay)
-            members = batch.members
-            S = max(lengths[m] for m in members)
-            ids = torch.full((len(members), S), pad_id, dtype=torch.long)
-            for r, m in enumerate(members):
-                ids[r, : lengths[m]] = torch.from_numpy(mine[m].input_ids.astype(np.int64))
-            yield members, ids, [lengths[m] for m in members]
 
+def _batches(*, plan: list[Batch], prog, mine, lengths: list[int], pad_id: int, delay: float):
+    """Yield (members, input_ids [B, S] right-padded with pad_id, lengths) for each planned batch from the first
+    one not committed (`prog.committed_batches`, read when the first batch is asked for); `delay` seconds before
+    each (tests)."""
+    for batch in plan[prog.committed_batches:]:
+        if delay:
+            time.sleep(delay)
+        members = batch.members
+        S = max(lengths[m] for m in members)
+        ids = torch.full((len(members), S), pad_id, dtype=torch.long)
+        for r, m in enumerate(members):
+            ids[r, : lengths[m]] = torch.from_numpy(mine[m].input_ids.astype(np.int64))
+        yield members, ids, [lengths[m] for m in members]
+
+
+def _committer(*, writer: st.ShardWriter, mine, lengths: list[int], report):
+    """-> on_batch(members, parts, bad) for the loop's writer thread: write and commit a batch's finite samples
+    (their ids, splits, lengths, tokens, loss masks and feature parts; the skipped ones counted), then report."""
     def on_batch(members, parts, bad):
         sel = [m for m, b in zip(members, bad) if not b]
         toks = np.concatenate([mine[m].input_ids for m in sel]) if sel else np.zeros(0, np.int32)
@@ -206,8 +237,15 @@ def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches
             mask.astype(np.uint8), parts, nonfinite_skipped=int(bad.sum()))
         report(p)
 
+    return on_batch
+
+
+def _run_loop(*, cfg: Config, model, capture: FeatureCapture, encoding: str, device: torch.device, feed, on_batch,
+              stop: StopFlag, shard_index: int, store_path: str) -> None:
+    """Run `pipelined_extract` over the feed until done or stopped and log its figures; a write failure (OSError)
+    becomes a StoreError that says the committed part is intact. The capture hooks are removed in any case."""
     try:
-        loop = pipelined_extract(model, capture, encoding, device, batches(), on_batch, cfg.extract.queue_depth,
+        loop = pipelined_extract(model, capture, encoding, device, feed, on_batch, cfg.extract.queue_depth,
                                  lambda: stop.stop)
         print(f"shard {shard_index}: {loop.batches} batches in {loop.wall_s:.1f} s; the writer was busy "
               f"{loop.writer_busy_s:.1f} s, the forward waited {loop.queue_wait_s:.1f} s for it (a full queue)",
@@ -217,6 +255,11 @@ def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches
                             "is intact; free space or fix the path, then rerun the same command to resume") from e
     finally:
         capture.remove()
+
+
+def _finish(*, cfg: Config, writer: st.ShardWriter, stop: StopFlag, shard_index: int, report) -> int:
+    """After the loop: a stopped shard says so and exits WORKER_STOPPED; otherwise, unless it committed nothing
+    (`_refuse_an_empty_shard`), it is marked finished, reported and done (0)."""
     if stop.stop:
         emit("stopped", shard=shard_index, samples=writer.progress.committed_samples)
         return ExitCode.WORKER_STOPPED

@@ -81,10 +81,24 @@ def verify_store(path: str, out=sys.stdout) -> int:
 
 def _verify_shard(path: str, i: int, g, p: st.Progress, attrs: dict, ids_seen: set, problems: list[str],
                   notes: list[str]) -> int:
-    """Check one shard's committed rows, chunk by chunk; append problems; -> tokens checked."""
+    """Check one shard's committed rows, chunk by chunk; append problems; -> tokens checked. The conductor: the
+    arrays and their lengths (`_open_arrays`), the chunks not stored (`_absent_chunks`), the per-sample columns
+    (`_check_samples`), then the token rows block by block (`_check_tokens`), all read through a `_ShardReader`."""
     enc, vocab = attrs["encoding"], attrs["target"]["vocab_size"]
     n, T = p.committed_samples, p.committed_tokens
     token_arrays = st.token_arrays(enc)
+    arrays = _open_arrays(g=g, i=i, token_arrays=token_arrays, n=n, T=T, problems=problems)
+    if arrays is None:
+        return 0
+    absent = _absent_chunks(path=path, i=i, p=p, arrays=arrays, token_arrays=token_arrays, n=n, T=T, notes=notes)
+    reader = _ShardReader(i=i, arrays=arrays, token_arrays=token_arrays, n=n, T=T, absent=absent, problems=problems)
+    _check_samples(reader=reader, ids_seen=ids_seen)
+    return _check_tokens(reader=reader, enc=enc, vocab=vocab)
+
+
+def _open_arrays(*, g, i: int, token_arrays: tuple, n: int, T: int, problems: list[str]) -> dict | None:
+    """The shard's token and sample arrays by name, or None after appending a problem for each one missing or
+    shorter than its committed rows (T tokens, n samples)."""
     arrays, bad = {}, 0
     for k in (*token_arrays, *st.SAMPLE_ARRAYS):
         if k not in set(g.array_keys()):
@@ -96,34 +110,51 @@ def _verify_shard(path: str, i: int, g, p: st.Progress, attrs: dict, ids_seen: s
         if arrays[k].shape[0] < rows:
             problems.append(f"shard {i}: array {k} has {arrays[k].shape[0]} rows but {rows} are committed (truncated)")
             bad += 1
-    if bad:
-        return 0
+    return None if bad else arrays
+
+
+def _absent_chunks(*, path: str, i: int, p: st.Progress, arrays: dict, token_arrays: tuple, n: int, T: int,
+                   notes: list[str]) -> set[tuple[str, int]]:
+    """(array, chunk) of every committed chunk not stored that is a problem. A shard written before every chunk
+    was stored may lack its all-zero MAYBE_EMPTY chunks: those get a note instead (zeros or deleted, it cannot
+    be told)."""
     absent: set[tuple[str, int]] = set()  # (array, chunk) not stored
     for k, a in arrays.items():
         rows = T if k in token_arrays else n
         for c in range(math.ceil(rows / a.chunks[0])):
             if not st.chunk_exists(path, i, k, a, c):
                 absent.add((k, c))
-    cols: dict = {}
-
-    def damage(k: str, c: int, what: str) -> None:
-        R = arrays[k].chunks[0]
-        samples = st.samples_in_rows(cols, k, c * R, (c + 1) * R, T if k in token_arrays else n)
-        problems.append(f"shard {i}: array {k}, chunk {c} (rows {c * R}..{(c + 1) * R - 1}) {what}; it holds {samples}")
-
     legacy_zero = sorted({k for k, c in absent if k in st.MAYBE_EMPTY and not p.every_chunk})
     if legacy_zero:
         notes.append(f"shard {i}: {sum(k in legacy_zero for k, _ in absent)} chunk(s) of {legacy_zero} not stored: "
                      "all zeros when written by dflash before every chunk was stored, or deleted since (cannot be told)")
-    absent = {(k, c) for k, c in absent if p.every_chunk or k not in st.MAYBE_EMPTY}
+    return {(k, c) for k, c in absent if p.every_chunk or k not in st.MAYBE_EMPTY}
 
-    def read(k: str, r0: int, r1: int):
+
+class _ShardReader:
+    """Reads one shard's rows chunk-aware and names each damaged chunk as a problem, with its rows and the samples
+    it holds (from `cols`, the per-sample columns read so far)."""
+
+    def __init__(self, *, i: int, arrays: dict, token_arrays: tuple, n: int, T: int, absent: set[tuple[str, int]],
+                 problems: list[str]) -> None:
+        self.i, self.arrays, self.token_arrays, self.n, self.T = i, arrays, token_arrays, n, T
+        self.absent, self.problems = absent, problems
+        self.cols: dict = {}
+
+    def damage(self, k: str, c: int, what: str) -> None:
+        """Append the problem of chunk c of array k: `what` is wrong with it."""
+        R = self.arrays[k].chunks[0]
+        samples = st.samples_in_rows(self.cols, k, c * R, (c + 1) * R, self.T if k in self.token_arrays else self.n)
+        self.problems.append(f"shard {self.i}: array {k}, chunk {c} (rows {c * R}..{(c + 1) * R - 1}) {what}; "
+                             f"it holds {samples}")
+
+    def read(self, k: str, r0: int, r1: int):
         """Rows of one array, or None after naming each missing or undecodable chunk among them."""
-        a, R = arrays[k], arrays[k].chunks[0]
+        a, R = self.arrays[k], self.arrays[k].chunks[0]
         chunks = range(r0 // R, (r1 - 1) // R + 1)
-        missing = [c for c in chunks if (k, c) in absent]
+        missing = [c for c in chunks if (k, c) in self.absent]
         for c in missing:
-            damage(k, c, "is missing (zarr would read it as zeros)")
+            self.damage(k, c, "is missing (zarr would read it as zeros)")
         try:
             data = a[r0:r1]
         except Exception:  # noqa: BLE001 - name every chunk that fails on its own
@@ -131,12 +162,18 @@ def _verify_shard(path: str, i: int, g, p: st.Progress, attrs: dict, ids_seen: s
                 try:
                     a[c * R : min((c + 1) * R, r1)]
                 except Exception as e:  # noqa: BLE001 - crc32c mismatch, damaged file
-                    damage(k, c, f"cannot be decoded ({st.decode_error(e)})")
+                    self.damage(k, c, f"cannot be decoded ({st.decode_error(e)})")
             return None
         return None if missing else data
 
+
+def _check_samples(*, reader: _ShardReader, ids_seen: set) -> None:
+    """Read the per-sample columns into `reader.cols` (ids first: the others' errors name them); when all four
+    read, check the offsets are contiguous and add up to the committed tokens, and the ids are unique in the
+    shard and across the shards seen so far (`ids_seen`, which gets this shard's ids)."""
+    n, T, arrays, cols = reader.n, reader.T, reader.arrays, reader.cols
     for k in ("sample_id", "sample_start", "sample_length", "split"):  # ids first: the others' errors name them
-        data = read(k, 0, n) if n else arrays[k][0:0]
+        data = reader.read(k, 0, n) if n else arrays[k][0:0]
         if data is not None:
             cols[k] = data
     if len(cols) == 4 and n:
@@ -145,34 +182,43 @@ def _verify_shard(path: str, i: int, g, p: st.Progress, attrs: dict, ids_seen: s
         off = np.flatnonzero(starts != expected[:-1])
         if off.size or expected[-1] != T:
             j = int(off[0]) if off.size else n - 1
-            damage("sample_start" if off.size else "sample_length", j // arrays["sample_start"].chunks[0],
-                   f"holds offsets that are not contiguous or do not add up to the {T} committed tokens "
-                   f"(first at sample position {j})")
+            reader.damage("sample_start" if off.size else "sample_length", j // arrays["sample_start"].chunks[0],
+                          f"holds offsets that are not contiguous or do not add up to the {T} committed tokens "
+                          f"(first at sample position {j})")
         _, first = np.unique(sids, return_index=True)
         dup = sorted(set(range(n)) - set(first.tolist())) or [j for j, x in enumerate(sids.tolist()) if x in ids_seen]
         if dup:
-            damage("sample_id", dup[0] // arrays["sample_id"].chunks[0],
-                   f"repeats sample id {int(sids[dup[0]]):016x} (at sample position {dup[0]})")
+            reader.damage("sample_id", dup[0] // arrays["sample_id"].chunks[0],
+                          f"repeats sample id {int(sids[dup[0]]):016x} (at sample position {dup[0]})")
         ids_seen.update(sids.tolist())
+
+
+def _check_tokens(*, reader: _ShardReader, enc: str, vocab: int) -> int:
+    """Read the token rows in blocks aligned to every token array's chunks; in each readable block check the token
+    ids are in [0, vocab) and the features decode to finite values (each kind reported once per shard, at its
+    first chunk). -> the tokens checked."""
+    T, arrays, token_arrays = reader.T, reader.arrays, reader.token_arrays
     block = math.lcm(*(arrays[k].chunks[0] for k in token_arrays))
     checked, flagged = 0, set()  # each kind of bad value is reported once per shard (its first chunk)
     for t0 in range(0, T, block):
         t1 = min(T, t0 + block)
-        data = {k: read(k, t0, t1) for k in token_arrays}
+        data = {k: reader.read(k, t0, t1) for k in token_arrays}
         if any(v is None for v in data.values()):
             continue
         toks = data["tokens"]
         out_of_range = np.flatnonzero((toks < 0) | (toks >= vocab))
         if out_of_range.size and "tokens" not in flagged:
-            damage("tokens", (t0 + int(out_of_range[0])) // arrays["tokens"].chunks[0],
-                   f"holds token ids outside the vocabulary [0, {vocab}) (first at row {t0 + int(out_of_range[0])})")
+            row = t0 + int(out_of_range[0])
+            reader.damage("tokens", row // arrays["tokens"].chunks[0],
+                          f"holds token ids outside the vocabulary [0, {vocab}) (first at row {row})")
             flagged.add("tokens")
         x = decode({k: from_storage(data[k]) for k in part_names(enc)}, enc, torch.float32)
         nonfinite = torch.nonzero(~torch.isfinite(x).flatten(1).all(dim=1)).flatten()
         if nonfinite.numel() and "features" not in flagged:
             row = t0 + int(nonfinite[0])
-            damage("features", row // arrays["features"].chunks[0], f"decodes to non-finite values (first at row {row}"
-                   + (", with its scales/outliers)" if enc != "bf16" else ")"))
+            reader.damage("features", row // arrays["features"].chunks[0],
+                          f"decodes to non-finite values (first at row {row}"
+                          + (", with its scales/outliers)" if enc != "bf16" else ")"))
             flagged.add("features")
         checked += t1 - t0
     return checked
