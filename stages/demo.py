@@ -17,9 +17,10 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 from data.prompts import output_names
-from pipeline.config import CONFIGS_DIR, load_config
+from pipeline.config import CONFIGS_DIR, Config, load_config
 from stages.eval_online import log
 
 # The tiny config as shipped, with the store and the run under OUT, and a shorter schedule for a CPU demo.
@@ -36,15 +37,15 @@ DEMO_OVERRIDES: list[str] = [
 
 def run_demo(out: str = "runs/demo", *, overrides: list[str] | tuple = (), fresh: bool = False,
              command: str = "dflash demo") -> int:
+    """The demo's conductor: OUT and the config, then regenerate, extract, train and eval in turn (a stage that
+    fails ends the demo with its exit code), then the summary (OUT/demo.json and the lines printed); returns the
+    eval's exit code."""
     from stages.eval import run_eval
     from stages.extract import run_extract
     from stages.regenerate import run_regenerate
     from stages.train import run_train
 
-    out_dir = Path(out)
-    if fresh and out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _out_dir(out=out, fresh=fresh)
     config_path = str(CONFIGS_DIR / "tiny.yaml")
     store = str(out_dir / "store.zarr")
     run_dir = out_dir / "train"
@@ -52,8 +53,37 @@ def run_demo(out: str = "runs/demo", *, overrides: list[str] | tuple = (), fresh
     cfg = load_config(config_path, all_overrides)
     times: dict[str, float] = {}
     t_start = time.perf_counter()
-
     regen = out_dir / "regen"
+    rc, cfg = _regenerate(run_regenerate=run_regenerate, cfg=cfg, config_path=config_path,
+                          overrides=all_overrides, regen=regen, command=command, times=times, t_start=t_start)
+    if rc:
+        return rc
+    rc = _extract(run_extract=run_extract, cfg=cfg, store=store, command=command, times=times)
+    if rc:
+        return rc
+    rc = _train(run_train=run_train, cfg=cfg, store=store, run_dir=run_dir, command=command, times=times)
+    if rc:
+        return rc
+    code = _eval(run_eval=run_eval, overrides=overrides, store=store, run_dir=run_dir, out_dir=out_dir, times=times,
+                 t_start=t_start)
+    _summarize(out_dir=out_dir, regen=regen, store=store, run_dir=run_dir, times=times)
+    return code
+
+
+def _out_dir(*, out: str, fresh: bool) -> Path:
+    """OUT, created; with `fresh`, whatever an earlier demo left there is removed first."""
+    out_dir = Path(out)
+    if fresh and out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def _regenerate(*, run_regenerate: Callable[..., int], cfg: Config, config_path: str, overrides: list[str],
+                regen: Path, command: str, times: dict[str, float], t_start: float) -> tuple[int, Config]:
+    """Stage 1: the target answers the config's prompt files itself (into OUT/regen); times["regenerate"].
+    Returns the exit code and the config to go on with: reloaded with `overrides` extended (in place) to train
+    and validate on the regenerated files; the config given when the regeneration stopped."""
     prompts = [*cfg.data.train_files, *cfg.data.validation_files]
     log(f"demo [1/5] regenerate: the target answers the prompts of {', '.join(Path(f).name for f in prompts)} "
         f"itself ({cfg.extract.shards} shards) -> {regen}")
@@ -61,21 +91,29 @@ def run_demo(out: str = "runs/demo", *, overrides: list[str] | tuple = (), fresh
     times["regenerate"] = time.perf_counter() - t_start
     if rc:
         log(f"demo: regeneration stopped (exit {rc}); rerun `{command}` to resume")
-        return rc
+        return rc, cfg
     names = [str(regen / n) for n in output_names(prompts)]  # one output per prompt file, in order
     n_train = len(cfg.data.train_files)
-    all_overrides += [f"data.train_files=[{','.join(names[:n_train])}]",
-                      f"data.validation_files=[{','.join(names[n_train:])}]"]
-    cfg = load_config(config_path, all_overrides)
+    overrides += [f"data.train_files=[{','.join(names[:n_train])}]",
+                  f"data.validation_files=[{','.join(names[n_train:])}]"]
+    return rc, load_config(config_path, overrides)
 
+
+def _extract(*, run_extract: Callable[..., int], cfg: Config, store: str, command: str, times: dict[str, float]) -> int:
+    """Stage 2: ingest and extract the regenerated conversations into the store; times["extract"]; its exit code."""
     log(f"demo [2/5] ingest + extract: target {cfg.target.path}, {cfg.extract.shards} shards -> {store}")
     t0 = time.perf_counter()
     rc = run_extract(cfg, shards=cfg.extract.shards, store=store, command=command)
     times["extract"] = time.perf_counter() - t0
     if rc:
         log(f"demo: extraction failed (exit {rc}); rerun `{command}` to resume")
-        return rc
+    return rc
 
+
+def _train(*, run_train: Callable[..., int], cfg: Config, store: str, run_dir: Path, command: str,
+           times: dict[str, float]) -> int:
+    """Stage 3: train (and export) in this process, resuming from a checkpoint, or keep a finished run with its
+    export; times["train"] when it did not fail; its exit code."""
     export = run_dir / "export"
     summary_path = run_dir / "summary.json"
     t0 = time.perf_counter()
@@ -93,7 +131,14 @@ def run_demo(out: str = "runs/demo", *, overrides: list[str] | tuple = (), fresh
         if rc:
             return rc
     times["train"] = time.perf_counter() - t0
+    return 0
 
+
+def _eval(*, run_eval: Callable[..., int], overrides: list[str] | tuple, store: str, run_dir: Path, out_dir: Path,
+          times: dict[str, float], t_start: float) -> int:
+    """Stages 4 and 5: name the export, evaluate it offline and online into OUT/eval; times["eval"] and
+    times["total"]; the eval's exit code."""
+    export = run_dir / "export"
     log(f"demo [4/5] export: {export}")
     eval_dir = out_dir / "eval"
     log(f"demo [5/5] eval (offline on the store's validation split, online against the target) -> {eval_dir}")
@@ -102,7 +147,12 @@ def run_demo(out: str = "runs/demo", *, overrides: list[str] | tuple = (), fresh
                     out=str(eval_dir))
     times["eval"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_start
+    return code
 
+
+def _summarize(*, out_dir: Path, regen: Path, store: str, run_dir: Path, times: dict[str, float]) -> None:
+    """From OUT/eval/report.json: write OUT/demo.json (paths, taus, speedup, seconds) and print the closing lines."""
+    export, eval_dir = run_dir / "export", out_dir / "eval"
     report = json.loads((eval_dir / "report.json").read_text())
     off, on = report.get("offline", {}), report.get("online", {})
     summary = {
@@ -135,4 +185,3 @@ def run_demo(out: str = "runs/demo", *, overrides: list[str] | tuple = (), fresh
         f"  lossless     {'yes: identical to greedy decoding' if on.get('lossless') else 'NO: see the report'}",
     ]
     print("\n".join(lines), flush=True)
-    return code

@@ -37,13 +37,14 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pipeline import store as st
 from pipeline.config import Config
 from pipeline.errors import UserError
-from pipeline.lifecycle import ExitCode, Supervisor, tail
+from pipeline.lifecycle import ExitCode, Outcome, Supervisor, tail
 from stages.run_expand import (ENV_DIR, ENV_FIRST, FIRST_STEP, Handover, clear, hold, split_global_batch, union_devices,
                                warn_indivisible, where)
 
@@ -136,8 +137,51 @@ def status_line(store: str, run_dir: Path) -> str:
 def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], extract_gpus: str = "",
              train_gpus: str = "", devices: Optional[int] = None, store: Optional[str] = None,
              command: str = "dflash run", expand: bool = True) -> int:
+    """`dflash run`'s conductor: the plan (devices, resume, follow), the line saying it, both children under one
+    supervisor with the progress view, the expanded training when extraction finished, then the last words;
+    the exit code (`_report`)."""
     from stages.train import resume_argv
 
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    plan = _plan(cfg=cfg, config_path=config_path, overrides=overrides, extract_gpus=extract_gpus,
+                 train_gpus=train_gpus, devices=devices, store=store, expand=expand, say=say)
+    _announce(plan=plan, say=say)
+    node = _Node(plan=plan, say=say, resume_argv=resume_argv)
+    end = node.start()
+    if plan.expanding and not end.stops and end.codes.get("train") == ExitCode.STOPPED and node.handover.stopped():
+        end = node.expand()
+    say(("\n" if node.tty else "") + status_line(plan.store_path, plan.run_dir))
+    return _report(end, plan.store_path, plan.run_dir, command, say)
+
+
+@dataclass
+class _Plan:
+    """What `run_node` decided before starting a child: where the store and the run are, the extraction's GPUs
+    and shards, whether training resumes or follows, the devices it starts on and those it ends on (`all_*`)."""
+
+    store_path: str
+    run_dir: Path
+    logs: Path
+    xg: list[int]
+    shards: int
+    common: dict
+    t_sets: list[str]  # the training child's --set values
+    resume: bool
+    complete: bool
+    direct: bool  # nothing to extract: all devices train
+    expanding: bool
+    follow: bool
+    t_gpus: list[int]
+    t_cpus: int
+    all_gpus: list[int]
+    all_cpus: int
+
+
+def _plan(*, cfg: Config, config_path: Optional[str], overrides: list[str], extract_gpus: str, train_gpus: str,
+          devices: Optional[int], store: Optional[str], expand: bool, say: Callable[[str], None]) -> _Plan:
+    """Check the GPU lists, create RUN/logs (clearing a killed run's handover files), read whether the store is
+    complete and a checkpoint is there, and settle each stage's devices and the training's --set values (saying
+    what the global batch becomes across the devices)."""
     xg, tg = _gpu_lists(extract_gpus, train_gpus)
     store_path = store or cfg.store.path
     run_dir = Path(cfg.train.run_dir)
@@ -147,75 +191,105 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
     common = dict(config_path=config_path, overrides=list(overrides), store=store_path)
     resume = (run_dir / "checkpoints" / "last.ckpt").exists()
     complete = _complete(store_path)
-    all_gpus, all_cpus = union_devices(xg, tg, devices, len(xg) or cfg.extract.shards)
+    shards = len(xg) or cfg.extract.shards
+    all_gpus, all_cpus = union_devices(xg, tg, devices, shards)
     direct, expanding = expand and complete, expand and not complete  # direct: nothing to extract, all devices train
     t_gpus, t_cpus = (all_gpus, all_cpus) if direct else (tg, devices or 1)
     follow = _follow(run_dir, complete, resume)
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t_sets = list(overrides)
     if direct and not resume:  # the split's global batch, as an expansion keeps it
         t_sets += split_global_batch(cfg, len(tg) or devices or 1, t_gpus, t_cpus, say)
     elif expanding and not resume:
         warn_indivisible(cfg, len(tg) or devices or 1, len(all_gpus) or all_cpus, say)
+    return _Plan(store_path=store_path, run_dir=run_dir, logs=logs, xg=xg, shards=shards, common=common,
+                 t_sets=t_sets, resume=resume, complete=complete, direct=direct, expanding=expanding, follow=follow,
+                 t_gpus=t_gpus, t_cpus=t_cpus, all_gpus=all_gpus, all_cpus=all_cpus)
 
-    def train_cmd(gpus: list[int], cpus: int, follow: bool, resume: bool) -> list[str]:
-        cmd = child_argv("train", TRAIN_FORWARDED, **{**common, "overrides": t_sets},
+
+def _announce(*, plan: _Plan, say: Callable[[str], None]) -> None:
+    """The run's first line: where extraction and training run, resume or expansion, where the logs are."""
+    p = plan
+    x_where = "skipped" if p.direct else "on " + (("GPUs " + ",".join(map(str, p.xg))) if p.xg else "the CPU")
+    say(f"run: extraction {x_where} -> {p.store_path}{' (already complete)' if p.complete else ''}; training on "
+        f"{where(p.t_gpus, p.t_cpus)} -> {p.run_dir}{' (resuming)' if p.resume else ''}"
+        f"{f', moving to {where(p.all_gpus, p.all_cpus)} when extraction finishes' if p.expanding else ''}; "
+        f"logs in {p.logs}/run-*.log")
+
+
+class _Node:
+    """The supervision of one `dflash run`: the children (a new `Supervisor` for the relaunched training), the
+    handover, and the progress view (a redrawn line on a terminal, a plain one every 15 s, with the expansion's
+    note), which `on_failure` and `tick`, the supervisor's callbacks, share."""
+
+    def __init__(self, *, plan: _Plan, say: Callable[[str], None],
+                 resume_argv: Callable[[list[str]], list[str]]) -> None:
+        self.plan, self.say, self.resume_argv = plan, say, resume_argv
+        self.handover = Handover(plan.logs)
+        self.children: Optional[Supervisor] = None
+        self.tty, self.last, self.note = False, 0.0, ""
+
+    def train_cmd(self, *, gpus: list[int], cpus: int, follow: bool, resume: bool) -> list[str]:
+        """The training child's command line on `gpus` (or `cpus` CPU processes), resumed with `resume`."""
+        cmd = child_argv("train", TRAIN_FORWARDED, **{**self.plan.common, "overrides": self.plan.t_sets},
                          gpus=",".join(map(str, gpus)) or None, devices=None if gpus else cpus, follow=follow)
-        return resume_argv(cmd) if resume else cmd
+        return self.resume_argv(cmd) if resume else cmd
 
-    x_where = "skipped" if direct else "on " + (("GPUs " + ",".join(map(str, xg))) if xg else "the CPU")
-    say(f"run: extraction {x_where} -> {store_path}{' (already complete)' if complete else ''}; training on "
-        f"{where(t_gpus, t_cpus)} -> {run_dir}{' (resuming)' if resume else ''}"
-        f"{f', moving to {where(all_gpus, all_cpus)} when extraction finishes' if expanding else ''}; logs in {logs}/run-*.log")
-    handover = Handover(logs)
-
-    def on_failure(name: str, rc: int) -> None:  # a training stopped for the handover (checkpoint in place): no failure
+    def on_failure(self, name: str, rc: int) -> None:
+        """A failed extraction stops the training; a training stopped for the handover (checkpoint in place) is no
+        failure."""
         if name == "extract":
-            say(f"\nrun: extraction failed (exit {rc}); stopping the training, which cannot finish without it")
-            children.send("train", signal.SIGINT)
-        elif not (rc == ExitCode.STOPPED and handover.stopped() is not None):
-            say(f"\nrun: training failed (exit {rc}); extraction goes on (Ctrl-C stops it)")
+            self.say(f"\nrun: extraction failed (exit {rc}); stopping the training, which cannot finish without it")
+            self.children.send("train", signal.SIGINT)
+        elif not (rc == ExitCode.STOPPED and self.handover.stopped() is not None):
+            self.say(f"\nrun: training failed (exit {rc}); extraction goes on (Ctrl-C stops it)")
 
-    supervisor = lambda: _supervisor(on_failure, say)  # noqa: E731
-    children = supervisor()
-    if not direct:
-        children.spawn("extract", child_argv("extract", EXTRACT_FORWARDED, **common, shards=len(xg) or cfg.extract.shards,
-                                             gpus=",".join(map(str, xg)) or None), log=logs / "run-extract.log",
-                       own_group=True)
-    env = {**os.environ, ENV_DIR: str(logs)} if expanding else None
-    children.spawn("train", train_cmd(t_gpus, t_cpus, follow, resume), log=run_dir / "logs" / "run-train.log",
-                   env=env, own_group=True)
-    tty, last, note = sys.stderr.isatty(), [0.0], [""]
+    def start(self) -> Outcome:
+        """Start the extraction (unless there is nothing to extract) and the training; watch them to the end."""
+        p = self.plan
+        self.children = _supervisor(self.on_failure, self.say)
+        if not p.direct:
+            self.children.spawn("extract", child_argv("extract", EXTRACT_FORWARDED, **p.common, shards=p.shards,
+                                                      gpus=",".join(map(str, p.xg)) or None),
+                                log=p.logs / "run-extract.log", own_group=True)
+        env = {**os.environ, ENV_DIR: str(p.logs)} if p.expanding else None
+        self.children.spawn("train", self.train_cmd(gpus=p.t_gpus, cpus=p.t_cpus, follow=p.follow, resume=p.resume),
+                            log=p.logs / "run-train.log", env=env, own_group=True)
+        self.tty = sys.stderr.isatty()
+        return self.children.watch(self.tick)
 
-    def tick() -> None:
-        x = children.children.get("extract")
-        if expanding and handover.requested_at is None and x is not None and x.proc.poll() == 0:
+    def tick(self) -> None:
+        """Ask for the handover once extraction exited 0, say the handover's line, redraw the progress line."""
+        p, handover = self.plan, self.handover
+        x = self.children.children.get("extract")
+        if p.expanding and handover.requested_at is None and x is not None and x.proc.poll() == 0:
             handover.request()
-            say(f"\nrun: extraction finished; training checkpoints at its next optimizer step and resumes on "
-                f"{where(all_gpus, all_cpus)} (--no-expand keeps the split)")
+            self.say(f"\nrun: extraction finished; training checkpoints at its next optimizer step and resumes on "
+                     f"{where(p.all_gpus, p.all_cpus)} (--no-expand keeps the split)")
         said = handover.poll()
         if said:
-            note[0] = f"expanded to {where(all_gpus, all_cpus)} at step {handover.recorded['step']}"
-            say("\n" + said)
-        if time.time() - last[0] >= (1.0 if tty else 15.0):
-            last[0] = time.time()
-            line = status_line(store_path, run_dir) + (f" | {note[0]}" if note[0] else "")
-            print(line.ljust(120 if tty else 0), end="\r" if tty else "\n", file=sys.stderr, flush=True)
+            self.note = f"expanded to {where(p.all_gpus, p.all_cpus)} at step {handover.recorded['step']}"
+            self.say("\n" + said)
+        if time.time() - self.last >= (1.0 if self.tty else 15.0):
+            self.last = time.time()
+            line = status_line(p.store_path, p.run_dir) + (f" | {self.note}" if self.note else "")
+            print(line.ljust(120 if self.tty else 0), end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
 
-    end = children.watch(tick)
-    if expanding and not end.stops and end.codes.get("train") == ExitCode.STOPPED and handover.stopped():
-        _group_gone(children.children["train"].proc.pid)  # its ranks too: the new ones need their devices free
+    def expand(self) -> Outcome:
+        """The training stopped for the handover: once its processes are gone, resume it on every device; watch it
+        to the end and record the handover's figures."""
+        p, handover = self.plan, self.handover
+        _group_gone(self.children.children["train"].proc.pid)  # its ranks too: the new ones need their devices free
         handover.exited_at = time.time()
-        hold("relaunch", logs)
-        children = supervisor()
-        handover.relaunched(where(t_gpus, t_cpus), where(all_gpus, all_cpus))
-        children.spawn("train", train_cmd(all_gpus, all_cpus, False, True), log=run_dir / "logs" / "run-train.log",
-                       env={**os.environ, ENV_FIRST: str(logs / FIRST_STEP)}, own_group=True)
-        end = children.watch(tick)
+        hold("relaunch", p.logs)
+        self.children = _supervisor(self.on_failure, self.say)
+        handover.relaunched(where(p.t_gpus, p.t_cpus), where(p.all_gpus, p.all_cpus))
+        self.children.spawn("train", self.train_cmd(gpus=p.all_gpus, cpus=p.all_cpus, follow=False, resume=True),
+                            log=p.logs / "run-train.log", env={**os.environ, ENV_FIRST: str(p.logs / FIRST_STEP)},
+                            own_group=True)
+        end = self.children.watch(self.tick)
         said = handover.poll(final=True)
-        say("\n" + said) if said else None
-    say(("\n" if tty else "") + status_line(store_path, run_dir))
-    return _report(end, store_path, run_dir, command, say)
+        self.say("\n" + said) if said else None
+        return end
 
 
 def _gpu_lists(extract_gpus: str, train_gpus: str) -> tuple[list[int], list[int]]:
