@@ -98,8 +98,13 @@ def write_atomic(obj, path: Path, stop: threading.Event | None = None) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        e.filename = e.filename or str(path)  # which file the full disk refused (pipeline.preflight)
+    except Superseded:
+        raise
+    except BaseException as e:
+        if stop is not None and stop.is_set():  # torch.save's zip writer wraps the refusal in its own error
+            raise Superseded() from e
+        if isinstance(e, OSError):
+            e.filename = e.filename or str(path)  # which file the full disk refused (pipeline.preflight)
         raise
     finally:
         tmp.unlink(missing_ok=True)
