@@ -17,9 +17,9 @@ The attention itself (SDPA, rotary, output gate, its KV cache) and every GEMM st
 With a cache (generation: regenerate's embedded engine; speculative decoding: the online eval) the decoder layer
 still runs its norms, fused residual+norm and SwiGLU fast (they are per token) and hands the cache to its token
 mixer. The GDN serves two kinds of cached call itself, writing the cache as transformers' forward does:
-- prefill (the layer has no state yet): the fused conv and delta rule as above, then the last W = conv-kernel
-  inputs of the conv go to `cache.update_conv_state` (the same [B, D, W] tensor transformers stores) and the
-  delta rule's final state (fp32, [B, HV, K, V]) to `cache.update_recurrent_state`;
+- prefill (the layer has no state yet): the fused conv and delta rule as above, then the conv's T inputs go to
+  `cache.update_conv_state` (it keeps the last W = conv-kernel ones, the [B, D, W] tensor transformers stores,
+  and from transformers 5.25 counts the T tokens) and the delta rule's final state (fp32, [B, HV, K, V]) to `cache.update_recurrent_state`;
 - a block of T > 1 tokens after a state (a verify forward, RollbackCache's replay of the accepted tokens): the
   conv over [the cached W inputs; the new ones] (transformers' cat) keeping the last T outputs, the delta rule
   from the cached recurrent state, both states written back the same way.
@@ -263,8 +263,9 @@ def _gdn_forward(gdn: nn.Module, ops, gate_in_kernel: bool):
         else:
             qkv, _ = ops.causal_conv1d(pre, **conv_kw)  # [B, T, 2K + V], no transposes
         initial = _linear_states(cache, gdn.layer_idx)[1] if mode == "extend" else None
-        if cache is not None:  # the cache keeps the last W conv inputs, [B, D, W], written as transformers writes them
-            cache.update_conv_state(pre[:, -W:].transpose(1, 2), gdn.layer_idx, conv_kernel_size=W)
+        if cache is not None:  # the cache keeps the last W conv inputs, [B, D, W]; it is handed all T new ones, as
+            # transformers hands them (from 5.25 the linear layer counts its tokens by what it is handed)
+            cache.update_conv_state(pre.transpose(1, 2), gdn.layer_idx, conv_kernel_size=W)
         q, k, v = torch.split(qkv, [K, K, V], dim=-1)
         q, k, v = q.reshape(B, T, -1, dk), k.reshape(B, T, -1, dk), v.reshape(B, T, -1, dv)  # [B, T, H|HV, d]
         z = gdn.in_proj_z(hidden_states)  # [B, T, HV * dv]

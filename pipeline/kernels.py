@@ -89,13 +89,17 @@ def resolved_kernels(module_name: str = "transformers.models.qwen3_5.modeling_qw
 
 def _bound_implementation(fn):
     """The callable a transformers `use_kernel_func_from_hub_with_fallback` wrapper calls: its closure's
-    `implementation` (the package's kernel, or the torch function it falls back to)."""
-    for _ in range(4):
+    `implementation` (the package's kernel, or the torch function it falls back to). With the `kernels` package
+    installed (a dependency of transformers >= 5.25) the wrapper is itself wrapped in a `Func` module whose
+    forward's closure holds it as `func`."""
+    for _ in range(6):
+        if getattr(fn, "__code__", None) is None and callable(getattr(type(fn), "forward", None)):
+            fn = type(fn).forward  # kernels' Func(nn.Module): forward(self, ...) calls the closure's `func`
         code = getattr(fn, "__code__", None)
         cells = dict(zip(code.co_freevars, fn.__closure__ or ())) if code is not None else {}
         if "implementation" in cells:
             return cells["implementation"].cell_contents
-        fn = getattr(fn, "__wrapped__", None)
+        fn = cells["func"].cell_contents if "func" in cells else getattr(fn, "__wrapped__", None)
         if fn is None:
             return None
     return None

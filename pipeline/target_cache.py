@@ -52,6 +52,13 @@ def _is_kv(layer) -> bool:
     return type(layer).__name__ == "DynamicLayer"
 
 
+def _token_count(layer) -> Optional[torch.Tensor]:
+    """A copy of the tokens a linear-attention cache layer has seen (transformers >= 5.25 counts them, and the
+    cache's length is layer 0's count when layer 0 is a linear one); None where the layer keeps no count."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    return count.clone() if isinstance(count, torch.Tensor) else None
+
+
 def _linear_modules(model: nn.Module) -> dict[int, nn.Module]:
     """layer index -> the linear-attention (token mixer) module of that decoder layer."""
     out = {}
@@ -115,7 +122,8 @@ class RollbackCache:
         self._recording = bool(lin) and self.length > 0
         if self._recording:
             self._snapshot = {i: ({s: t.clone() for s, t in layer.conv_states.items() if t is not None},
-                                  {s: t.clone() for s, t in layer.recurrent_states.items() if t is not None})
+                                  {s: t.clone() for s, t in layer.recurrent_states.items() if t is not None},
+                                  _token_count(layer))
                               for i, layer in lin}
         else:
             self._snapshot = None
@@ -146,11 +154,13 @@ class RollbackCache:
                                    f"forward after the prefill can be dropped (it had {self._last_len})")
             kept = self._last_len - drop
             for i, layer in lin:
-                conv, rec = self._snapshot[i]
+                conv, rec, count = self._snapshot[i]
                 for s, t in conv.items():
                     layer.conv_states[s].copy_(t)
                 for s, t in rec.items():
                     layer.recurrent_states[s].copy_(t)
+                if count is not None:  # the replay below counts the kept tokens again
+                    layer.cumulative_length_linear.copy_(count)
             if kept > 0:
                 self._replay(kept)
             self._snapshot = None
