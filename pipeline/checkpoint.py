@@ -2,15 +2,15 @@
 
 Contract:
 - `weight_files(d)` lists a checkpoint's safetensors files (the index's, else every `*.safetensors`).
-- `text_key(name)` maps a checkpoint key to the text-only causal LM's key: `model.language_model.X` -> `model.X`
-  (Qwen3.5/3.6 and other VLM layouts), dense keys unchanged; None for what a text-only target never uses
-  (`model.visual.*`, `mtp.*`).
+- `text_key(name)` maps a checkpoint key to the text-only causal LM's key by the target families' prefixes
+  (`pipeline/targets/`: a VLM's text part -> the causal LM's), dense keys unchanged; None for what a text-only
+  target never uses (a family's `skip_prefixes`: vision tower, multi-token-prediction head).
 - `content_hashes(d)` is the sha256 of each weight file's bytes. A file is read once per machine: the digests are
   kept in `~/.cache/dflash/weights-sha256.json` ($DFLASH_HASH_CACHE) keyed by real path, size, mtime and inode,
   so only new or changed files are read again (54 GB at ~1 GB/s the first time, milliseconds after).
 - `load_text_model(d, dtype, device, keep_layers)` builds the text causal LM on the meta device with only the
   first `keep_layers` decoder layers, then streams each needed tensor from the shards straight to `device`
-  (`safe_open(device=...)`, one shard mapped at a time): no full host copy, no vision tower, no mtp weights,
+  (`safe_open(device=...)`, one shard mapped at a time): no full host copy, no vision tower, no MTP head,
   no layer past the deepest one used. Every parameter must come from the checkpoint (a tied head is the
   embedding); non-persistent buffers (rotary tables) are rebuilt from the config.
 - `read_frozen_head(d, dtype)` reads embed_tokens / lm_head / final norm straight from the checkpoint.
@@ -22,7 +22,6 @@ Contract:
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -34,9 +33,8 @@ from torch import nn
 
 from pipeline.errors import CheckpointError
 
-SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
+from pipeline.targets import SKIP_PREFIXES, TEXT_PREFIXES
+from pipeline.targets import transformers_text_config
 
 
 def weight_files(d: Path) -> list[Path]:
@@ -57,7 +55,7 @@ def weight_files(d: Path) -> list[Path]:
 def text_key(name: str) -> Optional[str]:
     if name.startswith(SKIP_PREFIXES):
         return None
-    for old, new in _TEXT_PREFIXES:
+    for old, new in TEXT_PREFIXES:
         if name.startswith(old):
             return new + name[len(old):]
     return name
@@ -133,22 +131,6 @@ def content_hashes(d: Path, log=None) -> dict[str, str]:
 
 # ---- loading -----------------------------------------------------------------------------------------------
 
-def text_config(d: Path, keep_layers: Optional[int] = None):
-    """The text model's config (text_config of a VLM), cut to its first keep_layers layers."""
-    from transformers import AutoConfig
-
-    from pipeline.ckpt_io import require_regular
-
-    require_regular(Path(d) / "config.json", "checkpoint's config.json")
-    cfg = copy.deepcopy(AutoConfig.from_pretrained(str(d)).get_text_config())
-    n = int(cfg.num_hidden_layers)
-    if keep_layers is not None and keep_layers < n:
-        cfg.num_hidden_layers = int(keep_layers)
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = list(cfg.layer_types)[:keep_layers]
-    return cfg
-
-
 def _device_arg(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
@@ -178,7 +160,7 @@ def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_laye
 
     d = Path(d)
     block = quantization(d)  # block-wise FP8 (Qwen's FP8 release): dequantized while streaming
-    cfg = text_config(d, keep_layers)
+    cfg = transformers_text_config(d, keep_layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     params = dict(model.named_parameters())  # a tied head appears once, as the embedding
@@ -245,7 +227,7 @@ def read_frozen_head(d: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     from pipeline.fp8_weights import quantization
 
-    cfg = text_config(d)
+    cfg = transformers_text_config(d)
     block = quantization(Path(d))
     names = _tensor_names(d)
     want = {"model.embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "lm_head.weight",

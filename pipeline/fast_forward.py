@@ -56,7 +56,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-COVERED = ("Qwen3_5DecoderLayer",)
+from pipeline.targets.qwen3_5 import QWEN3_5
+
+LAYER, GDN, NORM = QWEN3_5.fast_forward_classes  # the hybrid family's decoder layer, Gated DeltaNet and norm
+COVERED = (LAYER,)
 _PATCHED = "_dflash_fast"  # attribute marking a module whose forward this module rebound
 
 
@@ -292,7 +295,7 @@ def _layer_forward(layer: nn.Module, ops):
     w_in, w_post = _zero_centred(layer.input_layernorm), _zero_centred(layer.post_attention_layernorm)
     eps_in, eps_post = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
     mlp = layer.mlp
-    mixer = layer.linear_attn if layer.block_type == "linear_attention" else layer.self_attn
+    mixer = layer.linear_attn if layer.block_type == QWEN3_5.linear_layer_type else layer.self_attn
     mixer_kw = _cache_name(type(mixer).forward)  # the name transformers' mixer takes (ours, rebound, takes both)
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
@@ -302,7 +305,7 @@ def _layer_forward(layer: nn.Module, ops):
         # norms, residual adds and MLP are per token: the same with or without a cache; the token mixer gets the
         # cache and decides (the GDN above; attention is transformers' own, KV cache included)
         h = ops.rms_norm(hidden_states, w_in, None, eps=eps_in)  # [B, T, H]
-        if layer.block_type == "linear_attention":
+        if layer.block_type == QWEN3_5.linear_layer_type:
             h = layer.linear_attn(hidden_states=h, attention_mask=attention_mask, **{mixer_kw: cache}, **kwargs)
         else:
             h, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
@@ -320,11 +323,11 @@ def install(model: nn.Module, ops: Optional[SimpleNamespace] = None, gate_in_ker
     n = 0
     for mod in model.modules():
         kind = type(mod).__name__
-        if kind == "Qwen3_5DecoderLayer":
+        if kind == LAYER:
             _bind(mod, _layer_forward(mod, ops))
-        elif kind == "Qwen3_5GatedDeltaNet":
+        elif kind == GDN:
             _bind(mod, _gdn_forward(mod, ops, gate_in_kernel))
-        elif kind == "Qwen3_5RMSNorm":
+        elif kind == NORM:
             _bind(mod, _norm_forward(mod, ops))
         else:
             continue

@@ -29,7 +29,6 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Optional
@@ -63,8 +62,9 @@ def _block_size(value, where: str) -> tuple[int, int]:
 
 
 def quantization(d: Path) -> Optional[tuple[int, int]]:
-    cfg = json.loads((Path(d) / "config.json").read_text())
-    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    from pipeline.targets import read_target_config
+
+    q = read_target_config(d).quantization
     if not q:
         return None
     method = str(q.get("quant_method", "")).lower()

@@ -50,7 +50,9 @@ def available() -> dict[str, Optional[str]]:
 
 
 def kernel_report(layer_types: Optional[list], device_type: str, fast_forward: bool = False) -> Optional[str]:
-    n_linear = sum(t == "linear_attention" for t in (layer_types or []))
+    from pipeline.targets import linear_layer_count
+
+    n_linear = linear_layer_count(layer_types)
     if not n_linear:
         return None
     head = f"target kernels ({n_linear} linear-attention layers): "
@@ -73,11 +75,15 @@ _WRAPPERS = {"chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
              "causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update"}
 
 
-def resolved_kernels(module_name: str = "transformers.models.qwen3_5.modeling_qwen3_5") -> dict[str, str]:
-    """{op: "module.function"} that transformers' modeling module bound each linear-attention op to ("unknown"
-    where its wrapper does not say). Imports the module."""
+def resolved_kernels(module_name: Optional[str] = None) -> dict[str, str]:
+    """{op: "module.function"} that transformers' modeling module (default: the hybrid family's,
+    pipeline/targets/qwen3_5.py) bound each linear-attention op to ("unknown" where its wrapper does not say).
+    Imports the module."""
     import importlib
 
+    from pipeline.targets import linear_families
+
+    module_name = module_name or linear_families()[0].modeling_module
     mod = importlib.import_module(module_name)
     out = {}
     for op, attr in _WRAPPERS.items():

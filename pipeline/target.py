@@ -92,27 +92,23 @@ def target_fingerprint(path: str) -> dict:
     weights_sha256 changes when any byte of any safetensors file changes (a fine-tune with the same config and
     sharding, a tensor rewritten in place); weights_hash says how it was computed ("content", or "index" for a
     hub id whose files are neither local nor listed with hashes)."""
-    d = local_target_dir(path)
-    from pipeline.ckpt_io import require_regular
+    from pipeline.targets import read_target_config
 
-    require_regular(d / "config.json", "target's config.json")  # a FIFO would block the read forever
-    cfg_text = (d / "config.json").read_text()
-    cfg = json.loads(cfg_text)
-    cfg_hash = _sha256_bytes(json.dumps(cfg, sort_keys=True).encode())
+    d = local_target_dir(path)
+    tc = read_target_config(d)
     weights_hash, how = _weights_fingerprint(path, d)
-    text_cfg = cfg.get("text_config", cfg)
     return {
-        "config_sha256": cfg_hash,
+        "config_sha256": _sha256_bytes(json.dumps(tc.raw, sort_keys=True).encode()),
         "weights_sha256": weights_hash,
         "weights_hash": how,
-        "model_type": cfg.get("model_type"),
-        "architectures": cfg.get("architectures"),
-        "num_hidden_layers": int(text_cfg["num_hidden_layers"]),
-        "hidden_size": int(text_cfg["hidden_size"]),
-        "vocab_size": int(text_cfg["vocab_size"]),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))),
-        "rope_theta": text_cfg.get("rope_theta", (text_cfg.get("rope_parameters") or {}).get("rope_theta")),
-        "layer_types": text_cfg.get("layer_types"),
+        "model_type": tc.raw.get("model_type"),
+        "architectures": tc.raw.get("architectures"),
+        "num_hidden_layers": tc.num_hidden_layers,
+        "hidden_size": tc.hidden_size,
+        "vocab_size": tc.vocab_size,
+        "tie_word_embeddings": tc.tie_word_embeddings,
+        "rope_theta": tc.rope_theta,
+        "layer_types": tc.layer_types,
     }
 
 
@@ -198,18 +194,31 @@ def frozen_head_from_checkpoint(path: str, dtype: torch.dtype, model: Optional[n
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder's list of layers, wherever the architecture keeps it."""
+    owner = _layers_owner(model)
+    if owner is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return owner.layers
+
+
+def _layers_owner(model: nn.Module) -> Optional[nn.Module]:
+    """The module whose `layers` is the decoder's ModuleList: the base model, a VLM's text model (the families'
+    `text_model_attr`), or `model.model`."""
+    from pipeline.targets import TEXT_MODEL_ATTRS
+
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    for owner in (base, getattr(base, "language_model", None), getattr(model, "model", None)):
+    texts = [getattr(base, a, None) for a in TEXT_MODEL_ATTRS]
+    for owner in (base, *texts, getattr(model, "model", None)):
         if owner is not None and isinstance(getattr(owner, "layers", None), nn.ModuleList):
-            return owner.layers
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+            return owner
+    return None
 
 
 def truncate_layers(model: nn.Module, keep: int) -> None:
     """Drop the decoder layers after the first `keep` (they never run during extraction). A model loaded with
     keep_layers already has no more."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    owner = base if isinstance(getattr(base, "layers", None), nn.ModuleList) else base.language_model
+    owner = _layers_owner(model)
+    if owner is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
     owner.layers = nn.ModuleList(list(owner.layers)[:keep])
 
 
@@ -252,8 +261,8 @@ def frozen_head_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """embed_tokens.weight [V, H], lm_head.weight [V, H] and norm.weight [H] as contiguous CPU tensors."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    norm = getattr(base, "norm", None) or getattr(getattr(base, "language_model", None), "norm", None)
+    owner = _layers_owner(model)
+    norm = getattr(owner, "norm", None) if owner is not None else None
     out = {"embed_tokens.weight": embed, "lm_head.weight": head}
     if norm is not None:
         out["norm.weight"] = norm.weight

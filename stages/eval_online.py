@@ -95,9 +95,9 @@ def stop_token_ids(tokenizer, model) -> set[int]:
 def _layer_types(path: str) -> Optional[list]:
     try:
         from pipeline.target import local_target_dir
+        from pipeline.targets import read_target_config
 
-        cfg = json.loads((local_target_dir(path) / "config.json").read_text())
-        return cfg.get("text_config", cfg).get("layer_types")
+        return read_target_config(local_target_dir(path)).layer_types
     except (OSError, ValueError):
         return None
 

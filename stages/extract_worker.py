@@ -284,10 +284,13 @@ def _log_kernels(root_attrs: dict) -> None:
     """The shard log names the kernels transformers bound for a hybrid target, and the peak host memory so far."""
     from pipeline.checkpoint import peak_rss_bytes
 
-    if "linear_attention" in (root_attrs["target"].get("layer_types") or []):
+    from pipeline.targets import family_named
+
+    family = family_named(root_attrs["target"].get("model_type"))
+    if family.linear_layers(root_attrs["target"].get("layer_types")):
         from pipeline.kernels import resolved_kernels
 
-        print(f"target kernels: {resolved_kernels()}", file=sys.stderr, flush=True)
+        print(f"target kernels: {resolved_kernels(family.modeling_module)}", file=sys.stderr, flush=True)
     print(f"target loaded; peak host memory {peak_rss_bytes() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
 
 

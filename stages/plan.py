@@ -35,7 +35,6 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from dataclasses import dataclass
@@ -86,18 +85,20 @@ class Plan:
         return dict(self.__dict__)
 
 
-def _target_meta(cfg: Config) -> tuple[dict, Path]:
+def _target_meta(cfg: Config):
+    """(the target's TargetConfig, its local directory)."""
     from pipeline.target import local_target_dir
+    from pipeline.targets import read_target_config
 
     d = local_target_dir(cfg.target.path)
-    raw = json.loads((d / "config.json").read_text())
-    return raw.get("text_config", raw) | {"_top": raw}, d
+    return read_target_config(d), d
 
 
-def head_bytes(meta: dict, dtype_bytes: int) -> int:
-    """embed_tokens (+ lm_head unless tied) + the final norm, in the extraction's dtype."""
-    tied = bool(meta["_top"].get("tie_word_embeddings", meta.get("tie_word_embeddings", False)))
-    V, H = int(meta["vocab_size"]), int(meta["hidden_size"])
+def head_bytes(meta, dtype_bytes: int) -> int:
+    """embed_tokens (+ lm_head unless tied) + the final norm, in the extraction's dtype (`meta`: the target's
+    TargetConfig)."""
+    tied = meta.tie_word_embeddings
+    V, H = meta.vocab_size, meta.hidden_size
     return (V * H * (1 if tied else 2) + H) * dtype_bytes
 
 
@@ -203,7 +204,7 @@ def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr, train_g
     import torch
 
     meta, d = _target_meta(cfg)
-    H, L_target = int(meta["hidden_size"]), int(meta["num_hidden_layers"])
+    H, L_target = meta.hidden_size, meta.num_hidden_layers
     ids = resolve_layer_ids(cfg.target.layer_ids, L_target, cfg.target.num_feature_layers)
     enc = cfg.store.encoding
     try:

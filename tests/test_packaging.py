@@ -1,5 +1,6 @@
 """An installed dflash (non-editable, `pip install .`) works outside a checkout: the console script runs and the
-default run config (configs/tiny.yaml, shipped as data-files) is found from another directory."""
+default run config (configs/tiny.yaml, shipped as data-files) is found from another directory; and every package of
+the source tree (subpackages too) is one pyproject.toml installs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_pyproject_installs_every_package_of_the_tree():
+    """A subpackage missing from [tool.setuptools] packages works in a checkout and is absent from an install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tree = {".".join(f.parent.relative_to(ROOT).parts) for top in ("pipeline", "stages", "data")
+            for f in (ROOT / top).rglob("__init__.py") if "__pycache__" not in f.parts}
+    assert "pipeline.targets" in tree and tree == listed, sorted(tree ^ listed)
 
 
 @pytest.mark.slow
@@ -37,7 +48,7 @@ def test_non_editable_install_finds_its_default_config_outside_a_checkout(tmp_pa
     elsewhere = tmp_path / "elsewhere"  # not a checkout: nothing named configs/ or pipeline/ around
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site), "CUDA_VISIBLE_DEVICES": ""}
-    code = ("import pipeline, pipeline.config as c; from stages.cli import DEFAULT_CONFIG; cfg = c.load_config(); "
+    code = ("import pipeline, pipeline.targets, pipeline.config as c; from stages.cli import DEFAULT_CONFIG; cfg = c.load_config(); "
             "print(pipeline.__file__); print(c.CONFIGS_DIR); print(DEFAULT_CONFIG); print(cfg.target.name)")
     r = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from helpers_drafters import tiny_drafter
-from pipeline.checkpoint import sha256_file, text_config, weight_files
+from pipeline.checkpoint import sha256_file, weight_files
+from pipeline.targets import read_target_config, transformers_text_config
 from pipeline.ckpt_io import SpecialFile
 from pipeline.export import export_drafter, load_exported
 from pipeline.store import read_bytes
@@ -88,7 +89,9 @@ def test_target_checkpoint_files_and_store_files_that_are_fifos_are_refused(tmp_
         with pytest.raises(SpecialFile, match="model-1.safetensors: is a FIFO"):
             weight_files(ckpt)
         with pytest.raises(SpecialFile, match="config.json: is a FIFO"):
-            text_config(ckpt)
+            transformers_text_config(ckpt)
+        with pytest.raises(SpecialFile, match="config.json: is a FIFO"):
+            read_target_config(ckpt)
         with pytest.raises(SpecialFile, match="config.json: is a FIFO"):
             target_fingerprint(str(ckpt))
         with pytest.raises(SpecialFile, match="model-1.safetensors: is a FIFO"):
