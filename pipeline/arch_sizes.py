@@ -30,7 +30,7 @@ def check_sizes(values: dict, shapes: dict[str, tuple], where: str, build: Calla
 
     fix = "the file is damaged or was edited: use another checkpoint, or export the run again"
     for key, v in values.items():
-        rng = RANGES.get(("drafter", key))
+        rng = RANGES.get(("drafter", key)) or RANGES.get(("drafter.dflash2", key))  # an arch's own keys too
         if rng is not None and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                                   or not rng.allows(v)):
             raise ArchError(f"{where}: its stored architecture's {key} must be {rng.describe()}, got {v!r}; {fix}")

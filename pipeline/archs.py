@@ -7,9 +7,9 @@ that does something per arch asks this registry instead of testing the drafter o
                                                                    pipeline.export.load_exported, --init-from
     arch_class,         DFlash2Arch, DFlash2Drafter                 `spec_of(drafter)`, the checkpoint loader
     drafter_class
-    config_keys         drafter.* keys it adds that fix its shape, written into its export's dflash_config
-                                                                   --init-from's comparison (stages/init_from.py)
-    optional_keys       drafter.* keys it adds that do not (defaults left out of the export)
+    config_keys         keys of its section (drafter.NAME.*, pipeline/config_NAME.py) that fix its shape,
+                        written into its export's dflash_config    --init-from's comparison (stages/init_from.py)
+    optional_keys       keys of its section that do not (defaults left out of the export)
     build               (cfg, layer_ids, vocab_size) -> a fresh drafter (the current torch seed)
     train_setup         (drafter, train_cfg): after its init weights (pipeline.train_step.build_drafter)
     loss                pipeline.train_step.drafter_loss's arguments -> (loss_sum, correct, extra)
@@ -27,10 +27,12 @@ pipeline/config_ranges.py's range for its drafter key, the layer count that of t
 tensor of the drafter (built on the meta device: nothing allocated) the shape of the stored one; otherwise
 `ArchError`, one line, and nothing was allocated (a hidden size of 10^7 hung export and eval before).
 
-pipeline/config.py keeps its own names (`ARCH_CHECKS`, each arch's config checks): it cannot import this file
-(pipeline/export2.py -> pipeline/target.py -> pipeline/config.py); tests/test_archs.py holds the two equal.
+pipeline/config.py knows the archs by their key sections (`DRAFTER_ARCHS`: dflash and one per `drafter.NAME`
+section, each section's class with its own `check`): it cannot import this file (pipeline/export2.py ->
+pipeline/target.py -> pipeline/config.py); tests/test_archs.py holds the two equal.
 A new arch: its drafter file (pipeline/drafterN.py), its export (pipeline/exportN.py) and modeling file
-(pipeline/modeling_dflashN.py), one ArchSpec here, its keys in pipeline/config.py, and its tests.
+(pipeline/modeling_dflashN.py), one ArchSpec here, its keys' section (pipeline/config_NAME.py, one field of
+DrafterConfig), and its tests (docs/architecture.md, "Where to change what").
 """
 
 from __future__ import annotations
@@ -103,9 +105,9 @@ def _loss_dflash(drafter: nn.Module, hidden: Tensor, head: Tensor, blocks, token
 
 def _build_dflash2(cfg, layer_ids: list[int], vocab_size: int) -> DFlash2Drafter:
     d = cfg.drafter
-    if d.selector_top_k > vocab_size:
-        raise ConfigError(f"{cfg.source}: drafter.selector_top_k = {d.selector_top_k} exceeds the target's "
-                          f"vocabulary ({vocab_size})")
+    if d.dflash2.selector_top_k > vocab_size:
+        raise ConfigError(f"{cfg.source}: drafter.dflash2.selector_top_k = {d.dflash2.selector_top_k} exceeds the "
+                          f"target's vocabulary ({vocab_size})")
     return DFlash2Drafter(DFlash2Arch.from_config(d, layer_ids, vocab_size))
 
 

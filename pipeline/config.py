@@ -4,8 +4,11 @@ Contract:
 - `load_config(path, overrides)` returns a `Config`; every section is a frozen-ish dataclass whose fields
   have types. Unknown keys, wrong types and bad values raise `ConfigError` naming the key and the file; every
   numeric key has its allowed range in pipeline/config_ranges.py (checked first, naming the value too).
-- Overrides are `section.field=value` strings (`--set train.lr=3e-4`); the value is parsed as YAML and
-  validated exactly like the file.
+- Overrides are `section.field=value` strings (`--set train.lr=3e-4`, `--set drafter.dflash2.selector_rank=64`);
+  the value is parsed as YAML and validated exactly like the file.
+- A drafter arch's own keys are a section inside `drafter`, named after the arch (`drafter.dflash2`: its class in
+  pipeline/config_dflash2.py, its `check` run when it is the arch trained); the flat keys of before
+  (`drafter.selector_rank`) are moved into it with one deprecation line on stderr, for one release.
 - Relative paths (data files, store, run dir) are relative to the current directory, where the user runs
   the command; a target path that exists relative to the config file's directory is resolved there.
 - Paths starting with `builtin:` refer to assets shipped inside the package (`data/assets/...`).
@@ -27,6 +30,8 @@ from typing import Any, Optional
 
 import yaml
 
+from pipeline.config_dflash2 import FLAT_KEYS as DFLASH2_FLAT_KEYS
+from pipeline.config_dflash2 import DFlash2Config
 from pipeline.config_ranges import PACK_PER_MAX_LENGTH, check_ranges
 from pipeline.encoding import ENCODINGS
 from pipeline.errors import ConfigError  # noqa: F401 (re-exported: pipeline.config.ConfigError)
@@ -119,16 +124,11 @@ class DrafterConfig:
     # false = every layer bidirectional inside the block, sliding layers still windowed on the context (the
     # published DFlash 2 drafters: configs/qwen3.8-27b-dflash2.yaml); true = every layer causal inside the block
     is_causal: Optional[bool] = None
-    # DFlash 2 (arch: dflash2; pipeline/drafter2.py). The conv and selector defaults are the published 27B drafter's;
-    # its layout (5 sliding layers, is_causal false, its target layers, block 8) is configs/qwen3.8-27b-dflash2.yaml
     arch: str = "dflash"  # dflash | dflash2 (dynamic convolutions + candidate selector)
-    conv_kernel_size: int = 2  # taps of the grouped dynamic convolution, within one block
-    conv_group_size: int = 16  # channels sharing one dynamic kernel value (must divide hidden_size)
-    selector_rank: int = 256  # rank of the selector's predecessor/successor codebooks
-    selector_top_k: int = 16  # candidates per slot the selector walks through
-    output_multiplier: float = 1.0  # unary logits = output_multiplier * (h @ lm_head^T) ...
-    final_logit_softcapping: Optional[float] = None  # ... then cap * tanh(logits / cap) when set
-    init_from: Optional[str] = None  # dflash2: initialise the backbone from a trained DFlash export directory
+    # an arch's own keys: a section named after it (pipeline/config_dflash2.py). The published DFlash 2 layout (5
+    # sliding layers, is_causal false, its target layers, block 8) is configs/qwen3.8-27b-dflash2.yaml
+    dflash2: DFlash2Config = field(default_factory=DFlash2Config)
+    init_from: Optional[str] = None  # start from the weights of a trained export directory (`--init-from`)
 
 
 @dataclass
@@ -239,24 +239,18 @@ class Config:
         return d
 
 
-def _validate_dflash2(cfg: Config) -> None:
-    """The DFlash 2 keys (only checked when drafter.arch is dflash2)."""
-    src, d = cfg.source, cfg.drafter
-    if not 1 <= d.conv_kernel_size <= d.block_size:
-        raise ConfigError(f"{src}: drafter.conv_kernel_size = {d.conv_kernel_size} must be between 1 and "
-                          f"drafter.block_size ({d.block_size}): the convolution stays inside one block")
-    if d.conv_group_size <= 0 or d.hidden_size % d.conv_group_size:
-        raise ConfigError(f"{src}: drafter.conv_group_size = {d.conv_group_size} must divide drafter.hidden_size "
-                          f"({d.hidden_size})")
+def _arch_sections() -> dict[str, type]:
+    """drafter.arch -> the class of its own keys' section (`drafter.NAME`), for the archs that have keys."""
+    hints = typing.get_type_hints(DrafterConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(DrafterConfig) if dataclasses.is_dataclass(hints[f.name])}
 
 
-# drafter.arch -> the checks of its own keys. The arch registry is pipeline/archs.py (its drafter, loss, export,
-# loader); this file cannot import it (pipeline/export2.py -> pipeline/target.py -> here), so
-# tests/test_archs.py holds these names equal to the registry's.
-ARCH_CHECKS = {
-    "dflash": lambda cfg: None,
-    "dflash2": _validate_dflash2,
-}
+# The drafter archs the config accepts: DFlash (no keys of its own) and one per arch section. The arch registry is
+# pipeline/archs.py (its drafter, loss, export, loader); this file cannot import it (pipeline/export2.py ->
+# pipeline/target.py -> here), so tests/test_archs.py holds these names equal to the registry's.
+DRAFTER_ARCHS = ("dflash", *_arch_sections())
+# drafter.KEY (flat, as written before the arch sections) -> its section: read with a deprecation line
+DEPRECATED_FLAT = {key: "dflash2" for key in DFLASH2_FLAT_KEYS}
 
 
 _CHOICES = {
@@ -267,7 +261,7 @@ _CHOICES = {
     ("train", "precision"): ("bf16-mixed", "32-true", "bf16-true"),
     ("target", "dtype"): ("bfloat16", "float16", "float32"),
     ("target", "cpu_dtype"): ("bfloat16", "float32"),
-    ("drafter", "arch"): tuple(ARCH_CHECKS),
+    ("drafter", "arch"): DRAFTER_ARCHS,
     ("train", "export_checkpoint"): ("best", "last"),
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -328,7 +322,8 @@ def _build_section(cls: type, raw: Any, section: str, source: str) -> Any:
     if unknown:
         raise ConfigError(f"{source}: unknown key '{section}.{unknown[0]}'{_nearest(unknown[0], names)} (valid keys "
                           f"of '{section}': {', '.join(sorted(names))})")
-    kwargs = {k: _check_type(_on_off(section, k, v), hints[k], f"{source}: {section}.{k}") for k, v in raw.items()}
+    kwargs = {k: (_build_section(hints[k], v, f"{section}.{k}", source) if dataclasses.is_dataclass(hints[k]) else
+                  _check_type(_on_off(section, k, v), hints[k], f"{source}: {section}.{k}")) for k, v in raw.items()}
     return cls(**kwargs)
 
 
@@ -354,10 +349,35 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
     unknown = sorted(set(raw) - set(classes))
     if unknown:
         raise ConfigError(f"{source}: unknown section '{unknown[0]}' (valid: {', '.join(classes)})")
+    _move_flat_keys(raw, source)
     cfg = Config(**{name: _build_section(cls, raw.get(name), name, source) for name, cls in classes.items()})
     cfg.source = source
     _validate(cfg)
     return cfg
+
+
+def _move_flat_keys(raw: dict, source: str) -> None:
+    """Move the deprecated flat arch keys (`drafter.conv_kernel_size`) into their section
+    (`drafter.dflash2.conv_kernel_size`), with one line on stderr naming them; a key given both ways is refused."""
+    d = raw.get("drafter")
+    flat = [k for k in DEPRECATED_FLAT if isinstance(d, dict) and k in d]
+    if not flat:
+        return
+    for key in flat:
+        if d.get(DEPRECATED_FLAT[key]) is None:
+            d[DEPRECATED_FLAT[key]] = {}
+        section = d[DEPRECATED_FLAT[key]]
+        if not isinstance(section, dict):
+            return  # the section's own type check names it
+        if key in section:
+            raise ConfigError(f"{source}: drafter.{key} and drafter.{DEPRECATED_FLAT[key]}.{key} are both given; keep "
+                              f"drafter.{DEPRECATED_FLAT[key]}.{key}")
+        section[key] = d.pop(key)
+    import sys
+
+    names = ", ".join(f"drafter.{k}" for k in flat)
+    print(f"config: {source}: {names} moved to drafter.{DEPRECATED_FLAT[flat[0]]}.*; write them there (the flat "
+          "keys are read until the next release)", file=sys.stderr, flush=True)
 
 
 def _validate(cfg: Config) -> None:
@@ -381,7 +401,9 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{src}: drafter.layer_types uses sliding_attention; set drafter.sliding_window")
     if d.num_attention_heads % d.num_key_value_heads:
         raise ConfigError(f"{src}: drafter.num_attention_heads must be a multiple of drafter.num_key_value_heads")
-    ARCH_CHECKS[d.arch](cfg)  # the arch's own keys (DFlash 2's convolution shape)
+    own = getattr(d, d.arch, None)  # the arch's own keys (DFlash 2's convolution shape)
+    if own is not None:
+        own.check(d, src)
     _validate_anchors(cfg.train, src)
     if cfg.data.max_length > d.max_position_embeddings:
         raise ConfigError(f"{src}: data.max_length ({cfg.data.max_length}) exceeds drafter.max_position_embeddings "
@@ -430,16 +452,35 @@ def _apply_overrides(raw: dict, overrides) -> dict[str, str]:
         if section not in classes:
             raise ConfigError(f"--set {text!r}: unknown section '{section}'{_nearest(section, classes)} (valid: "
                               f"{', '.join(classes)})")
-        names = [f.name for f in dataclasses.fields(classes[section])]
-        if name not in names:
-            full = [f"{section}.{n}" for n in names]
-            raise ConfigError(f"--set {text!r}: unknown key '{section}.{name}'{_nearest(f'{section}.{name}', full)} "
-                              f"(valid keys of '{section}': {', '.join(sorted(names))})")
-        if not isinstance(raw.get(section), dict):
-            raw[section] = {}
-        raw[section][name] = value
+        target = _override_target(raw, section, name, classes[section], text)
+        target[name.rsplit(".", 1)[-1]] = value
         given[f"{section}.{name}"] = text
+        if section == "drafter" and name in DEPRECATED_FLAT:  # moved at load: a refusal names the section's key
+            given[f"drafter.{DEPRECATED_FLAT[name]}.{name}"] = text
     return given
+
+
+def _override_target(raw: dict, section: str, name: str, cls: type, text: str) -> dict:
+    """The dict of `raw` that `--set section.name=...` writes into (a nested arch section for `dflash2.KEY`),
+    created where missing; an unknown key is refused with the nearest valid one."""
+    parts = name.split(".")
+    hints = typing.get_type_hints(cls)
+    names = list(hints) + (list(DEPRECATED_FLAT) if section == "drafter" else [])
+    inner = hints.get(parts[0])
+    valid = [f"{section}.{n}" for n in hints] + [f"{section}.{parts[0]}.{n}" for n in
+                                                 (typing.get_type_hints(inner) if dataclasses.is_dataclass(inner) else ())]
+    nested_ok = len(parts) == 2 and dataclasses.is_dataclass(inner) and parts[1] in typing.get_type_hints(inner)
+    if not ((len(parts) == 1 and parts[0] in names and not dataclasses.is_dataclass(inner)) or nested_ok):
+        raise ConfigError(f"--set {text!r}: unknown key '{section}.{name}'{_nearest(f'{section}.{name}', valid)} "
+                          f"(valid keys of '{section}': {', '.join(sorted(hints))})")
+    if not isinstance(raw.get(section), dict):
+        raw[section] = {}
+    out = raw[section]
+    if nested_ok:
+        if not isinstance(out.get(parts[0]), dict):
+            out[parts[0]] = {}
+        out = out[parts[0]]
+    return out
 
 
 def _from_dict_blaming_set(raw: dict, source: str, given: dict[str, str]) -> Config:

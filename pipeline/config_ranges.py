@@ -2,7 +2,8 @@
 
 Contract:
 - `RANGES` maps (section, key) to a `Range` for every int and float field of pipeline/config.py's sections (a
-  list field is checked per entry); tests/test_config_ranges.py holds that every numeric field is in it, so a
+  list field is checked per entry; an arch's section inside drafter is section "drafter.dflash2");
+  tests/test_config_ranges.py holds that every numeric field is in it, so a
   new numeric key comes with its range.
 - `check_ranges(cfg)` (called by `config._validate` before its checks that relate keys to each other) raises
   `ConfigError` for the first value outside its range, as one line naming the file, the key, the allowed range
@@ -92,12 +93,12 @@ RANGES: dict[tuple[str, str], Range] = {
     ("drafter", "sliding_window"): Range(1, text="1 or more, or null"),
     ("drafter", "block_size"): Range(2, MAX_BLOCK, text=f"in [2, {MAX_BLOCK}] (DFlash drafts 8 to 16 tokens per block)"),
     ("drafter", "mask_token_id"): ZERO_UP,
-    ("drafter", "conv_kernel_size"): COUNT,
-    ("drafter", "conv_group_size"): COUNT,
-    ("drafter", "selector_rank"): COUNT,
-    ("drafter", "selector_top_k"): COUNT,
-    ("drafter", "output_multiplier"): POSITIVE,
-    ("drafter", "final_logit_softcapping"): Range(0, lo_open=True, text="positive, or null for none"),
+    ("drafter.dflash2", "conv_kernel_size"): COUNT,
+    ("drafter.dflash2", "conv_group_size"): COUNT,
+    ("drafter.dflash2", "selector_rank"): COUNT,
+    ("drafter.dflash2", "selector_top_k"): COUNT,
+    ("drafter.dflash2", "output_multiplier"): POSITIVE,
+    ("drafter.dflash2", "final_logit_softcapping"): Range(0, lo_open=True, text="positive, or null for none"),
     ("train", "lr"): Range(0, text="0 or more"),  # 0: the weights stay as they are (a warm-start check)
     ("train", "weight_decay"): ZERO_UP,
     ("train", "betas"): Range(0, 1, hi_open=True, length=2),
@@ -151,7 +152,10 @@ RANGES: dict[tuple[str, str], Range] = {
 def check_ranges(cfg: Any) -> None:
     """Raise ConfigError for the first value outside its range (see the module contract)."""
     for (section, key), rng in RANGES.items():
-        value = getattr(getattr(cfg, section), key)
+        owner = cfg
+        for part in section.split("."):  # "drafter.dflash2": an arch's section inside drafter
+            owner = getattr(owner, part)
+        value = getattr(owner, key)
         if value is None:  # the type said whether null is allowed
             continue
         where = f"{cfg.source}: {section}.{key}"

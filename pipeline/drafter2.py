@@ -84,7 +84,8 @@ class DFlash2Arch(DrafterArch):
     @classmethod
     def from_config(cls, cfg, target_layer_ids, vocab_size: int = 0) -> "DFlash2Arch":
         base = dataclasses.asdict(DrafterArch.from_config(cfg, target_layer_ids))
-        extra = {k: getattr(cfg, k) for k in DFLASH2_KEYS + DFLASH2_OPTIONAL_KEYS}
+        own = getattr(cfg, "dflash2", cfg)  # a DrafterConfig keeps these keys in its drafter.dflash2 section
+        extra = {k: getattr(own, k) for k in DFLASH2_KEYS + DFLASH2_OPTIONAL_KEYS}
         return cls(**base, vocab_size=int(vocab_size), **extra)
 
     @classmethod

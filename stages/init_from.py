@@ -70,14 +70,15 @@ def _export_value(meta: dict, key: str):
     return meta.get(key)
 
 
-def _wrong_type(key: str, value) -> str:
-    """"" when an export's value fits drafter.KEY's type in pipeline/config.py, else what that type is."""
+def _wrong_type(key: str, value, section: type) -> str:
+    """"" when an export's value fits KEY's type in its config section (DrafterConfig, or an arch's section
+    class), else what that type is."""
     import typing
 
-    from pipeline.config import DrafterConfig, _check_type
+    from pipeline.config import _check_type
 
     try:
-        _check_type(value, typing.get_type_hints(DrafterConfig)[key], key)
+        _check_type(value, typing.get_type_hints(section)[key], key)
     except ConfigError as e:
         return str(e).split(": ", 1)[1].split(", got ")[0].replace("expected", "not", 1)
     return ""
@@ -103,27 +104,28 @@ def differences(cfg: Config, attrs: dict, layer_ids: list[int], meta: dict) -> l
     fields = ["num_hidden_layers", "block_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "mask_token_id", "layer_types", "sliding_window", "is_causal"]
     own, theirs = spec_for(d.arch), spec_for_export(meta)
+    keys = [(key, d, key) for key in fields]  # (key, the config section holding it, its name under drafter.)
     if theirs is own:
-        fields += list(own.config_keys)
+        keys += [(key, getattr(d, own.name), f"{own.name}.{key}") for key in own.config_keys]
     want_types = list(d.layer_types or ["full_attention"] * d.num_hidden_layers)
-    for key in fields:
-        ours = want_types if key == "layer_types" else getattr(d, key)
+    for key, section, name in keys:
+        ours = want_types if key == "layer_types" else getattr(section, key)
         if key == "sliding_window" and "sliding_attention" not in want_types:
             ours = None
         try:
             value = _export_value(meta, key)
             if value is not None and key in _DFLASH_CONFIG_KEYS:
                 value = int(value)
-            wrong = _wrong_type(key, value)
+            wrong = _wrong_type(key, value, type(section))
         except (TypeError, ValueError):  # e.g. layer_types 5: not even readable as the key
-            value, wrong = meta.get(key, (meta.get("dflash_config") or {}).get(key)), f"not readable as drafter.{key}"
+            value, wrong = meta.get(key, (meta.get("dflash_config") or {}).get(key)), f"not readable as drafter.{name}"
         if wrong:  # a damaged or edited config.json: no --set makes a drafter of it
-            diffs.append(f"drafter.{key}: the export's config.json has {json.dumps(value)}, {wrong}: the export is "
+            diffs.append(f"drafter.{name}: the export's config.json has {json.dumps(value)}, {wrong}: the export is "
                          "damaged or was edited; export its run again (`dflash export RUN DIR`)")
         elif value != ours:
             shown = json.dumps(value)
-            diffs.append(f"drafter.{key}: the export has {shown}, the config {json.dumps(ours)}; set drafter.{key}: "
-                         f"{shown} (--set drafter.{key}={shown.replace(' ', '')})")
+            diffs.append(f"drafter.{name}: the export has {shown}, the config {json.dumps(ours)}; set drafter.{name}: "
+                         f"{shown} (--set drafter.{name}={shown.replace(' ', '')})")
     if theirs is not own and theirs.name not in own.warm_start_from:
         diffs.append(f"drafter.arch: the export is a {theirs.title} drafter ({theirs.adds}), the config trains "
                      f"{own.title}; set drafter.arch: {theirs.name} (--set drafter.arch={theirs.name}) to start from "

@@ -32,8 +32,11 @@ def _drafters():
 
 
 def test_the_registry_covers_exactly_the_archs_the_config_accepts():
-    assert tuple(config_module.ARCH_CHECKS) == tuple(ARCHS)
+    assert tuple(config_module.DRAFTER_ARCHS) == tuple(ARCHS)
     assert config_module._CHOICES[("drafter", "arch")] == tuple(ARCHS)
+    for name, section in config_module._arch_sections().items():  # an arch's keys: its own section, its own check
+        keys = [f.name for f in dataclasses.fields(section)]
+        assert keys == [*ARCHS[name].config_keys, *ARCHS[name].optional_keys] and callable(section.check), name
     assert DEFAULT in ARCHS and DrafterConfig().arch == DEFAULT
     for name in ARCHS:
         assert load_config(TINY, [f"drafter.arch={name}"]).drafter.arch == name
@@ -48,8 +51,11 @@ def test_each_entry_is_whole_and_consistent():
         assert spec.name == name and spec_for(name) is spec and spec.title
         assert issubclass(spec.drafter_class, DFlashDrafter) and dataclasses.is_dataclass(spec.arch_class)
         arch_fields = {f.name for f in dataclasses.fields(spec.arch_class)}
+        own = config_module._arch_sections().get(name)  # its keys' section, drafter.NAME
+        own_fields = {f.name for f in dataclasses.fields(own)} if own else set()
+        assert not (own_fields & config_fields), name  # no key both flat and in the section
         for key in spec.config_keys + spec.optional_keys:
-            assert key in config_fields and key in arch_fields, (name, key)
+            assert key in own_fields and key in arch_fields, (name, key)
         assert all(w in ARCHS and w != name for w in spec.warm_start_from)
         d = made[name]
         assert spec_of(d) is spec and isinstance(d.arch, spec.arch_class)
@@ -78,7 +84,7 @@ def test_subclass_of_a_drafter_is_its_arch():
 def test_build_drafter_builds_each_arch_of_the_config(name):
     from pipeline.train_step import build_drafter
 
-    cfg = load_config(TINY, [f"drafter.arch={name}", "drafter.selector_rank=8"])
+    cfg = load_config(TINY, [f"drafter.arch={name}", "drafter.dflash2.selector_rank=8"])
     torch.manual_seed(0)
     d = build_drafter(cfg, [1, 3, 5], 576)
     assert type(d) is ARCHS[name].drafter_class and spec_of(d).name == name

@@ -24,9 +24,10 @@ from pipeline.config_ranges import RANGES, Range  # noqa: E402
 def _field_types() -> dict[tuple[str, str], tuple[type, bool, bool]]:
     """(section, key) -> (int or float, nullable, list) for every numeric field of the config's sections."""
     out = {}
-    for section, cls in typing.get_type_hints(Config).items():
-        if not dataclasses.is_dataclass(cls):
-            continue
+    sections = [(s, c) for s, c in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(c)]
+    for section, cls in sections:  # an arch's section inside drafter ("drafter.dflash2") is walked too
+        sections += [(f"{section}.{k}", t) for k, t in typing.get_type_hints(cls).items() if dataclasses.is_dataclass(t)]
+    for section, cls in sections:
         for key, tp in typing.get_type_hints(cls).items():
             nullable = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
             if nullable:
@@ -90,7 +91,8 @@ def test_a_value_out_of_range_is_one_line_naming_file_key_range_and_value(sectio
     # a pair's other entry a valid one (betas: both in [0, 1); profile_steps: [first, last) with first < last)
     value = f"[{_yaml(bad)}, {PAIR_OTHER[key]}]" if key in PAIR_OTHER else f"[{_yaml(bad)}]" if is_list else _yaml(bad)
     path = tmp_path / "bad.yaml"
-    path.write_text(f"{section}:\n  {key}: {value}\n")
+    outer, _, inner = section.partition(".")  # drafter.dflash2: the arch's section nested in drafter
+    path.write_text(f"{outer}:\n  {inner}:\n    {key}: {value}\n" if inner else f"{section}:\n  {key}: {value}\n")
     with pytest.raises(ConfigError) as e:
         load_config(path)
     msg = str(e.value)
@@ -101,7 +103,7 @@ def test_a_value_out_of_range_is_one_line_naming_file_key_range_and_value(sectio
 @pytest.mark.parametrize("section,key", list(RANGES), ids=[f"{s}.{k}" for s, k in RANGES])
 def test_the_bounds_themselves_and_null_are_accepted_where_allowed(section, key):
     tp, nullable, is_list = FIELDS[(section, key)]
-    extra = {("drafter", "block_size"): ["drafter.conv_kernel_size=1"],  # keep the cross checks satisfied
+    extra = {("drafter", "block_size"): ["drafter.dflash2.conv_kernel_size=1"],  # keep the cross checks satisfied
              ("drafter", "max_position_embeddings"): ["data.max_length=1"],
              ("drafter", "num_key_value_heads"): ["drafter.num_attention_heads=1"],
              ("drafter", "num_attention_heads"): ["drafter.num_key_value_heads=1"],
@@ -117,7 +119,10 @@ def test_the_bounds_themselves_and_null_are_accepted_where_allowed(section, key)
         if key == "pack_tokens" and good is not None:
             fit = [f"data.max_length={-(-good // 64)}", "drafter.max_position_embeddings=262144"]
         cfg = load_config(TINY, [*extra, *fit, f"{section}.{key}={value}"])
-        got = getattr(getattr(cfg, section), key)
+        owner = cfg
+        for part in section.split("."):
+            owner = getattr(owner, part)
+        got = getattr(owner, key)
         if key == "gamma" and good is None:  # null: the paper's value for the block size
             assert got == gamma_for_block(cfg.drafter.block_size)
         elif good is not None and is_list:

@@ -239,23 +239,51 @@ def test_training_loss_equals_full_logits_reference():
 
 def test_config_keys():
     cfg = load_config(None, ["drafter.arch=dflash2"])
-    assert (cfg.drafter.conv_kernel_size, cfg.drafter.conv_group_size, cfg.drafter.selector_rank,
-            cfg.drafter.selector_top_k) == (2, 16, 256, 16)
+    assert (cfg.drafter.dflash2.conv_kernel_size, cfg.drafter.dflash2.conv_group_size, cfg.drafter.dflash2.selector_rank,
+            cfg.drafter.dflash2.selector_top_k) == (2, 16, 256, 16)
     assert load_config().drafter.arch == "dflash"
-    for bad, msg in [("drafter.arch=dflash3", "not one of"), ("drafter.conv_kernel_size=9", "conv_kernel_size"),
-                     ("drafter.conv_group_size=48", "divide"), ("drafter.selector_top_k=0", "selector_top_k"),
-                     ("drafter.final_logit_softcapping=-1", "softcapping"), ("train.selector_loss_alpha=-1", "alpha")]:
+    for bad, msg in [("drafter.arch=dflash3", "not one of"), ("drafter.dflash2.conv_kernel_size=9", "conv_kernel_size"),
+                     ("drafter.dflash2.conv_group_size=48", "divide"), ("drafter.dflash2.selector_top_k=0", "selector_top_k"),
+                     ("drafter.dflash2.final_logit_softcapping=-1", "softcapping"), ("train.selector_loss_alpha=-1", "alpha")]:
         with pytest.raises(ConfigError, match=msg):
             load_config(None, ["drafter.arch=dflash2", bad])
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(None, ["drafter.selector_topk=3"])
 
 
+def test_the_flat_keys_of_before_still_load_with_one_line_and_the_section_round_trips(tmp_path, capsys):
+    """`drafter.selector_rank` (flat, as configs and checkpoints wrote it before drafter.dflash2) loads into the
+    section with one deprecation line; given both ways it is refused; a written config.yaml is the nested form."""
+    from pipeline.config import config_from_dict, dump_config, write_config
+
+    old = tmp_path / "old.yaml"
+    old.write_text("drafter:\n  arch: dflash2\n  selector_rank: 8\n  conv_group_size: 4\n  hidden_size: 64\n"
+                   "  intermediate_size: 64\n  num_attention_heads: 4\n  num_key_value_heads: 2\n  head_dim: 16\n")
+    cfg = load_config(old, ["drafter.selector_top_k=5"])
+    assert (cfg.drafter.dflash2.selector_rank, cfg.drafter.dflash2.conv_group_size,
+            cfg.drafter.dflash2.selector_top_k) == (8, 4, 5)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "moved to drafter.dflash2" in ln]
+    assert len(lines) == 1 and all(f"drafter.{k}" in lines[0] for k in ("selector_rank", "conv_group_size",
+                                                                        "selector_top_k")), lines
+    embedded = {"drafter": {"arch": "dflash2", "selector_top_k": 7}}  # a checkpoint of before: its embedded dict
+    assert config_from_dict(embedded).drafter.dflash2.selector_top_k == 7
+    with pytest.raises(ConfigError, match="both given; keep drafter.dflash2.selector_rank"):
+        load_config(old, ["drafter.dflash2.selector_rank=8"])
+    with pytest.raises(ConfigError, match=r"--set 'drafter.dflash2.selector_rnak=3': unknown key .*did you mean "
+                                          r"'drafter.dflash2.selector_rank'"):
+        load_config(None, ["drafter.dflash2.selector_rnak=3"])
+    capsys.readouterr()
+    assert "  dflash2:\n    conv_kernel_size: 2\n" in dump_config(cfg)
+    again = load_config(write_config(cfg, tmp_path / "config.yaml"))
+    assert again.drafter.dflash2 == cfg.drafter.dflash2
+    assert "moved to" not in capsys.readouterr().err
+
+
 def test_build_drafter_warm_start_and_alpha_zero(tmp_path):
     from pipeline.train_step import build_drafter
     from pipeline.export import export_drafter
 
-    cfg = load_config(None, ["drafter.arch=dflash2", "drafter.selector_rank=8"])
+    cfg = load_config(None, ["drafter.arch=dflash2", "drafter.dflash2.selector_rank=8"])
     torch.manual_seed(7)
     donor = DFlashDrafter(DrafterArch.from_config(cfg.drafter, [1, 3, 5]))
     export_drafter(donor, None, tmp_path / "donor", vocab_size=576, num_target_layers=8, dtype="float32")

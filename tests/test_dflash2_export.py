@@ -210,7 +210,7 @@ def test_train_steps_resumes_exports_and_decodes_losslessly_on_the_tiny_target(t
     extraction is the session's tiny store (tests/conftest.py: a store does not depend on the drafter's arch;
     training and eval only read it)."""
     store, run = tiny_store, tmp_path / "run"
-    sets = ["drafter.arch=dflash2", "drafter.selector_rank=32", f"train.run_dir={run}", "train.batch_size=4",
+    sets = ["drafter.arch=dflash2", "drafter.dflash2.selector_rank=32", f"train.run_dir={run}", "train.batch_size=4",
             "train.num_workers=0", "train.val_every=6", "train.log_every=2", "train.checkpoint_every=3"]
     args = ["train", "--config", TINY, "--store", store, "--devices", "2", *[x for s in sets for x in ("--set", s)]]
     dflash(*args, "--set", "train.max_steps=6", "--no-export")

@@ -156,8 +156,8 @@ def vllm_causal(cfg: dict) -> list[bool]:
 
 CASES = {
     "tiny dflash": ("tiny.yaml", [], None, None),
-    "tiny dflash2": ("tiny.yaml", ["drafter.arch=dflash2", "drafter.conv_group_size=16", "drafter.selector_rank=8",
-                                   "drafter.selector_top_k=6"], None, None),
+    "tiny dflash2": ("tiny.yaml", ["drafter.arch=dflash2", "drafter.dflash2.conv_group_size=16", "drafter.dflash2.selector_rank=8",
+                                   "drafter.dflash2.selector_top_k=6"], None, None),
     "27b dflash": ("qwen3.6-27b.yaml", [], [1, 16, 31, 46, 61], 248320),
     "27b dflash2": ("qwen3.8-27b-dflash2.yaml", [], [1, 16, 31, 46, 61], 248320),
 }

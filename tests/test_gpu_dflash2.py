@@ -70,7 +70,7 @@ def test_train_dflash2_on_gpu(tmp_path):
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
     dflash("extract", "--config", TINY, "--store", store, "--set", "data.max_samples=240",
            "--set", "extract.token_budget=4096", gpus=True)
-    sets = ["drafter.arch=dflash2", "drafter.final_logit_softcapping=30.0", f"train.run_dir={run}",
+    sets = ["drafter.arch=dflash2", "drafter.dflash2.final_logit_softcapping=30.0", f"train.run_dir={run}",
             "train.precision=bf16-mixed", "train.compile=on", "train.epochs=2", "train.batch_size=8",
             "train.val_every=20", "train.num_workers=1"]
     dflash("train", "--config", TINY, "--store", store, "--gpus", "0", *[x for s in sets for x in ("--set", s)],

@@ -69,7 +69,7 @@ def test_every_misfit_is_named_with_its_fix(tmp_path):
 
 
 def test_dflash2_export_fits_only_a_dflash2_drafter(tmp_path):
-    cfg2 = load_config(TINY, ["drafter.arch=dflash2", "drafter.selector_top_k=4", "drafter.selector_rank=8"])
+    cfg2 = load_config(TINY, ["drafter.arch=dflash2", "drafter.dflash2.selector_top_k=4", "drafter.dflash2.selector_rank=8"])
     torch.manual_seed(3)
     donor2 = build_drafter(cfg2, IDS, 576)
     out2 = export_drafter(donor2, None, tmp_path / "d2", vocab_size=576, num_target_layers=8, dtype="float32")
@@ -77,7 +77,7 @@ def test_dflash2_export_fits_only_a_dflash2_drafter(tmp_path):
     assert "drafter.arch: the export is a DFlash 2 drafter" in text and "--set drafter.arch=dflash2" in text
     with pytest.raises(ConfigError, match="DFlash 2 export"):
         build_drafter(load_config(TINY, [f"drafter.init_from={out2}"]), IDS, 576)
-    cfg2b = load_config(TINY, ["drafter.arch=dflash2", "drafter.selector_top_k=4", "drafter.selector_rank=8",
+    cfg2b = load_config(TINY, ["drafter.arch=dflash2", "drafter.dflash2.selector_top_k=4", "drafter.dflash2.selector_rank=8",
                                f"drafter.init_from={out2}"])
     assert not differences(cfg2b, ATTRS, IDS, json.loads((out2 / "config.json").read_text()))
     torch.manual_seed(0)
