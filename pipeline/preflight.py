@@ -151,9 +151,10 @@ def check_target_path(path: str, key: str = "target.path") -> None:
     if not os.access(p, os.R_OK | os.X_OK) or not os.access(p / "config.json", os.R_OK):
         what = "has no config.json" if not (p / "config.json").exists() else "is not readable by this user"
         raise PreflightError(f"{key} {path} {what}; {fix}")
+    from pipeline.targets import read_target_config
+
     try:
-        if not isinstance(json.loads((p / "config.json").read_text()), dict):
-            raise ValueError("not a JSON object")
+        read_target_config(p)  # the one reader: a FIFO refused unread, JSON that is no object refused
     except (OSError, ValueError) as e:
         raise PreflightError(f"{key} {path}: its config.json is not readable JSON ({str(e).splitlines()[0]}); "
                              f"{fix}") from None
