@@ -35,7 +35,7 @@ import stat
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -158,6 +158,12 @@ def _step(p: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
+def newest_step_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    """The newest step checkpoint (`step*.ckpt`, a regular file) in ckpt_dir, None when there is none."""
+    present = [f for f in Path(ckpt_dir).glob("step*.ckpt") if STEP_RE.match(f.name) and _is_file(f)]
+    return max(present, key=lambda f: (_step(f), f.name), default=None)
+
+
 def repair_last_link(ckpt_dir: Path, log=None) -> str | None:
     """Make ckpt_dir/last.ckpt name an existing checkpoint (see the module contract); the line it logged, or None
     when nothing needed changing."""
@@ -170,8 +176,8 @@ def repair_last_link(ckpt_dir: Path, log=None) -> str | None:
     else:
         named = [Path(os.path.realpath(f)) for f in ([last] if last.is_symlink() else []) + versioned]
         named = [f for f in named if _is_file(f)]
-        present = [f for f in ckpt_dir.glob("step*.ckpt") if STEP_RE.match(f.name) and _is_file(f)]
-        pick = max(named or present, key=lambda f: (_step(f), f.name), default=None)
+        newest = newest_step_checkpoint(ckpt_dir)
+        pick = max(named or ([newest] if newest else []), key=lambda f: (_step(f), f.name), default=None)
         now = Path(os.path.realpath(last)) if last.is_symlink() else None
         if pick is not None and now != pick.resolve():
             old = ("was missing" if now is None else f"named {os.readlink(last)}, which is missing" if not

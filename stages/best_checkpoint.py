@@ -16,7 +16,8 @@ Contract:
   default, or last) and says which one and why, e.g. "step 1200 (best val tau 3.410; the last step, 1500,
   had 3.380)". Without a validation split there is no best: the last is taken, and the message says so; a
   best-step file that the scan skips (`scan_best_files`: a symlink, a file the loader refuses) is named with
-  the reason instead.
+  the reason instead. A last.ckpt link left dangling (or missing) takes the newest step checkpoint present, and
+  the reason says so; the run directory is not changed (`dflash train --resume` repairs the link).
 """
 
 from __future__ import annotations
@@ -157,13 +158,11 @@ def choose_checkpoint(ckpt_dir: Path, which: str = "best", last_tau: Optional[fl
     ckpt_dir = Path(ckpt_dir)
     if which not in ("best", "last"):
         raise ConfigError(f"which checkpoint: {which!r} is not one of best, last")
-    last = ckpt_dir / "last.ckpt"
-    if not last.exists():
-        raise FileNotFoundError(f"no checkpoint at {last}: train first (`dflash train`), or pass a .ckpt file")
+    last, note = _last_checkpoint(ckpt_dir)
     info = checkpoint_info(last)
     lstep = info["step"]
     ltau = last_tau if last_tau is not None else _tau_at(info)
-    lwhat = f"{ltau:.3f}" if ltau is not None else "no validation at that step"
+    lwhat = (f"{ltau:.3f}" if ltau is not None else "no validation at that step") + note
     files, skipped = scan_best_files(ckpt_dir)
     if not files and skipped:
         return Choice(last, "last", lstep, ltau, f"the last step, {lstep} (val tau {lwhat}; no usable best "
@@ -179,6 +178,24 @@ def choose_checkpoint(ckpt_dir: Path, which: str = "best", last_tau: Optional[fl
         return Choice(bpath, "best", bstep, btau, f"step {bstep} (best val tau {btau:.3f}; it is also the last step)")
     return Choice(bpath, "best", bstep, btau, f"step {bstep} (best val tau {btau:.3f}; the last step, {lstep}, "
                                               f"had {lwhat})")
+
+
+def _last_checkpoint(ckpt_dir: Path) -> tuple[Path, str]:
+    """(last.ckpt, "") when it names a checkpoint; else the newest step checkpoint present and a note saying
+    so (a link left dangling by a crash: read as it is, the run directory is not changed here); else
+    FileNotFoundError."""
+    import os
+
+    from pipeline.ckpt_io import newest_step_checkpoint
+
+    last = ckpt_dir / "last.ckpt"
+    if last.exists():
+        return last, ""
+    newest = newest_step_checkpoint(ckpt_dir)
+    if newest is None:
+        raise FileNotFoundError(f"no checkpoint at {last}: train first (`dflash train`), or pass a .ckpt file")
+    why = f"names {os.readlink(last)}, which is missing" if last.is_symlink() else "is missing"
+    return newest, f"; last.ckpt {why}, so the last step is {newest.name}, the newest checkpoint present"
 
 
 def resolve_checkpoint(path: str, which: Optional[str]) -> Choice | Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from pathlib import Path
 
@@ -49,6 +50,27 @@ def test_choose_best_or_last_and_say_why(tmp_path):
     with pytest.raises(ConfigError, match="already one checkpoint"):
         resolve_checkpoint(str(d / "step40.ckpt"), "best")
     assert [checkpoint_kind(d / n) for n in ("best-step20.ckpt", "last.ckpt", "step40.ckpt")] == ["best", "last", "last"]
+
+
+def test_a_dangling_last_link_takes_the_newest_step_present_and_says_so(tmp_path):
+    """last.ckpt naming a removed step file (a crash between the link and the write it named) is read as the
+    newest step checkpoint present, the reason says why, and the run directory is left as it was."""
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    _ckpt(d / "step20.ckpt", 20, None)
+    _ckpt(d / "step30.ckpt", 30, None)
+    (d / "last.ckpt").symlink_to("step40.ckpt")  # dangling
+    c = choose_checkpoint(d, "last")
+    assert (c.path.name, c.kind, c.step) == ("step30.ckpt", "last", 30)
+    assert "last.ckpt names step40.ckpt, which is missing, so the last step is step30.ckpt" in c.reason
+    assert os.readlink(d / "last.ckpt") == "step40.ckpt"  # read only: `dflash train --resume` repairs the link
+    assert resolve_checkpoint(str(tmp_path), None).path.name == "step30.ckpt"  # a run directory finds it too
+    (d / "last.ckpt").unlink()
+    assert "last.ckpt is missing" in choose_checkpoint(d).reason
+    for f in d.glob("step*.ckpt"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="train first"):
+        choose_checkpoint(d)
 
 
 class _IO:
