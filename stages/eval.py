@@ -116,6 +116,10 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
         target = {"name": (meta.get("target") or {}).get("name"), "vocab_size": meta.get("vocab_size")}
         return drafter, DrafterSource(str(p), "checkpoint", run_dir, meta.get("store"), meta.get("config"),
                                       meta.get("encoding"), origin, target)
+    if p.exists():  # a FIFO, a socket, a device: named as what it is, never opened
+        from pipeline.ckpt_io import require_regular
+
+        require_regular(p, "drafter (an exported directory or a training checkpoint)")
     raise FileNotFoundError(f"drafter {path} does not exist: pass an exported directory (RUN/export) or a "
                             "training checkpoint (RUN/checkpoints/last.ckpt)")
 

@@ -100,3 +100,17 @@ def test_target_checkpoint_files_and_store_files_that_are_fifos_are_refused(tmp_
             read_bytes(str(tmp_path / "zarr.json"))
     (tmp_path / "ok.json").write_text("{}")
     assert read_bytes(str(tmp_path / "ok.json")) == b"{}"  # a regular file reads as before
+
+
+def test_eval_of_a_drafter_path_that_is_a_fifo_names_it_as_one(tmp_path):
+    """`dflash eval FIFO`: the path exists but is neither an export directory nor a checkpoint file; the error
+    says what it is (it said "does not exist"), and nothing opens it."""
+    from stages.eval import load_drafter
+
+    fifo = tmp_path / "last.ckpt"
+    os.mkfifo(fifo)
+    with _unopened(fifo):
+        with pytest.raises(SpecialFile, match="last.ckpt: is a FIFO, not a regular file"):
+            load_drafter(str(fifo))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_drafter(str(tmp_path / "nothing.ckpt"))
