@@ -86,14 +86,19 @@ def pytest_terminal_summary(terminalreporter):
     run's table goes into docs/benchmarks.md). Setup, call and teardown all count, session fixtures included in
     the file that first needed them."""
     per_file: dict[str, float] = {}
+    per_test: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for rep in reports:
             if getattr(rep, "when", None) in ("setup", "call", "teardown") and hasattr(rep, "duration"):
                 name = rep.nodeid.split("::", 1)[0]
                 per_file[name] = per_file.get(name, 0.0) + rep.duration
+                per_test[rep.nodeid] = per_test.get(rep.nodeid, 0.0) + rep.duration
     if len(per_file) < 2:
         return
     rows = sorted(per_file.items(), key=lambda kv: -kv[1])
     terminalreporter.write_sep("-", f"time per test file ({sum(per_file.values()) / 60:.1f} min in all)")
     for name, secs in rows[:40]:
+        terminalreporter.write_line(f"{secs:8.1f} s  {name}")
+    terminalreporter.write_sep("-", "the 25 slowest tests (setup, call and teardown)")
+    for name, secs in sorted(per_test.items(), key=lambda kv: -kv[1])[:25]:
         terminalreporter.write_line(f"{secs:8.1f} s  {name}")
