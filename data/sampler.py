@@ -108,7 +108,7 @@ class RankBatchSampler(torch.utils.data.Sampler):
         self.consumed = 0  # batches of `epoch` this rank has finished (set by the training step)
         self.pack_tokens = pack_tokens  # None: one sample per row; N: packed rows of <= N tokens
         self.accumulate = accumulate  # micro-batches per optimizer step (the step's windows in this epoch)
-        self._plan: tuple[int, list[list[int]]] = (-1, [])
+        self._plans: dict[int, list[list[int]]] = {}  # epoch -> its plan: the epoch under way and the next
         self._packed_counts: dict[int, int] = {}  # epoch -> global batches of its packed plan
 
     # -- sizes ----------------------------------------------------------------------------------------------
@@ -160,18 +160,39 @@ class RankBatchSampler(torch.utils.data.Sampler):
 
     # -- iteration -----------------------------------------------------------------------------------------
     def _window(self, epoch: int) -> list[list[int]]:
-        if self._plan[0] != epoch:
+        if epoch not in self._plans:
             _, lengths = self.source.all()
             if self.pack_tokens:
                 plan = packed_plan(lengths, self.batch_size, self.seed, epoch, self.pack_tokens, self.shuffle)
             else:
                 plan = window_plan(lengths, self.batch_size, self.seed, epoch, self.shuffle, self.group_factor)
-            self._plan = (epoch, plan)
-        return self._plan[1]
+            # two kept: the loader reads the next epoch's first batches while this one ends (iter_ahead)
+            self._plans = {e: p for e, p in self._plans.items() if e in (epoch - 1, epoch + 1)} | {epoch: plan}
+        return self._plans[epoch]
 
     def __iter__(self) -> Iterator[list[tuple]]:
         self._roll()
-        e, p0, W = self.epoch, self.p0, self.world_size
+        return self.batches(self.epoch, self.p0)
+
+    def can_read_ahead(self) -> bool:
+        """Whether later epochs can be dealt before they start: a finished store and no stream epoch (a stream
+        epoch's batches depend on what is committed when it is read)."""
+        return not self.stream_epochs and bool(getattr(self.source, "final", False))
+
+    def iter_ahead(self, last_epoch: int) -> Iterator[list[tuple]]:
+        """The batches of the upcoming epoch from its position, then of every later epoch before `last_epoch`,
+        in one stream: what `__iter__` gives epoch after epoch, without waiting for an epoch to start (the loader's
+        workers fetch the next epoch's first batches while the last ones of this epoch train). Changes no
+        state: `set_epoch`, `consumed` and the checkpointed position stay the training's."""
+        e, k0 = self.upcoming()
+        yield from self.batches(e, self.p0)
+        for later in range(e + 1, last_epoch):
+            yield from self.batches(later, 0)
+
+    def batches(self, e: int, p0: int) -> Iterator[list[tuple]]:
+        """This rank's batches of epoch `e` from global batch `p0`: ceil((K - p0) / W) of them (see the
+        module contract); reads no position state."""
+        W = self.world_size
         K = self.global_batches(e)
         stream = e in self.stream_epochs
         keys = None if stream else self.source.all()[0]
@@ -221,7 +242,7 @@ class RankBatchSampler(torch.utils.data.Sampler):
         # the epochs' batches as they were planned; a checkpoint older than the setting was planned with 32
         group_factor = int(state.get("group_factor", 32))
         if group_factor != self.group_factor:
-            self.group_factor, self._plan = group_factor, (-1, [])
+            self.group_factor, self._plans = group_factor, {}
         self.saved_pack_tokens = state.get("pack_tokens")  # stages/train.py refuses a resume that packs otherwise
 
     def resume(self, epoch: int, batches_done: int) -> None:

@@ -135,26 +135,90 @@ class ResumableLoader(torch.utils.data.DataLoader):
     epoch loop may replace at once, and a started one would prefetch (and wait for) batches for nothing.
 
     With `accumulate` > 1 and a `batch_weight` function, every batch also carries `window_weight`: the loss
-    weight of its whole gradient-accumulation window (see `accumulation_windows`)."""
+    weight of its whole gradient-accumulation window (see `accumulation_windows`).
+
+    With `ahead_epochs` = E (worker processes, a finished store: `RankBatchSampler.can_read_ahead`) the epochs up
+    to E are one stream of batches (`RankBatchSampler.iter_ahead`) through one set of workers, and each epoch's
+    iterator takes its own batches from it: the workers fetch the next epoch's first batches while this epoch's
+    last ones train, instead of starting from empty at every epoch (issue 46 item 4). The batches are the same,
+    in the same order. An epoch that starts anywhere but where the stream is (the first, a resume, an epoch left
+    early, `set_epoch` to another epoch) starts a new stream."""
 
     accumulate: int = 1
     batch_weight: Optional[Callable[[dict], float]] = None
+    ahead_epochs: Optional[int] = None
+    _stream: Optional["_EpochStream"] = None
 
     def __iter__(self):
         return _Deferred(self._start)
 
     def _start(self):
-        _, offset = self.batch_sampler.upcoming()  # a resumed epoch starts after its done batches
-        it = super().__iter__()
+        epoch, offset = self.batch_sampler.upcoming()  # a resumed epoch starts after its done batches
+        if self.ahead_epochs and epoch < self.ahead_epochs and self.num_workers > 0 and \
+                self.batch_sampler.can_read_ahead():
+            it = self._epoch_from_stream(epoch, offset)
+        else:
+            it = super().__iter__()
         if self.accumulate <= 1 or self.batch_weight is None:
             return it
         return accumulation_windows(it, self.accumulate, offset, self.batch_weight)
+
+    def _epoch_from_stream(self, epoch: int, offset: int) -> Iterator:
+        s = self.batch_sampler
+        n = s.epoch_length(epoch) - offset
+        if self._stream is None or self._stream.next_at != (epoch, offset):
+            self.close_stream()
+            inner = torch.utils.data.DataLoader(
+                self.dataset, batch_sampler=_Once(s.iter_ahead(self.ahead_epochs)), num_workers=self.num_workers,
+                collate_fn=self.collate_fn, worker_init_fn=self.worker_init_fn, pin_memory=self.pin_memory,
+                multiprocessing_context=self.multiprocessing_context, prefetch_factor=self.prefetch_factor,
+                timeout=self.timeout)
+            self._stream = _EpochStream(iter(inner), (epoch, offset))
+        return self._stream.take(epoch, n)
+
+    def close_stream(self) -> None:
+        """End the read-ahead stream's workers (a new stream, or the end of training)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def state_dict(self) -> dict:
         return self.batch_sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.load_state_dict(state)
+
+
+class _Once:
+    """A batch sampler that is one iterator (the read-ahead stream's batches: a DataLoader iterates it once)."""
+
+    def __init__(self, batches: Iterator):
+        self._batches = batches
+
+    def __iter__(self):
+        return self._batches
+
+
+class _EpochStream:
+    """One DataLoader iterator over several epochs' batches; `take(epoch, n)` yields the next n of them as that
+    epoch's, and `next_at` says where the stream stands: (the next epoch, 0) once an epoch was taken whole, None
+    when one was left early (the next epoch then needs a new stream)."""
+
+    def __init__(self, it: Iterator, at: tuple[int, int]):
+        self.it, self.next_at = it, at
+
+    def take(self, epoch: int, n: int) -> Iterator:
+        self.next_at = None if n else (epoch + 1, 0)  # until this epoch's last batch is handed out
+        for i in range(n):  # never one more: the next batch is the next epoch's
+            batch = next(self.it)
+            if i == n - 1:  # set before the last yield: Lightning, knowing the length, asks no further
+                self.next_at = (epoch + 1, 0)
+            yield batch
+
+    def close(self) -> None:
+        shutdown = getattr(self.it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
 class _Deferred:

@@ -91,6 +91,7 @@ def dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pad
               multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
               persistent_workers=t.num_workers > 0, prefetch_factor=4 if t.num_workers > 0 else None)
     train_dl = ResumableLoader(train_ds, batch_sampler=sampler, **kw)
+    train_dl.ahead_epochs = None if growing else t.epochs  # the next epoch read while this one ends (a finished store)
     if t.accumulate_grad_batches > 1:  # normalise the loss over each accumulation window, not per micro-batch
         from pipeline.masks import loss_weight_sum
 
