@@ -34,6 +34,7 @@ from bench.timing import device_sync, timed  # noqa: E402
 from pipeline.archs import ARCHS  # noqa: E402
 from pipeline.compile_setup import inductor_workarounds
 from pipeline.config import Config, DrafterConfig, TrainConfig
+from pipeline.config_dflash2 import DFlash2Config
 from pipeline.train_step import build_drafter, step_loss
 from pipeline.drafter import DrafterArch
 from pipeline.masks import build_blocks, dense_mask, make_attend, sample_anchors
@@ -156,9 +157,11 @@ def build_case(arch: str, layers: int, vocab: int, S: int, n_anchors: int, chunk
     first `prompt` are unlabelled, n_anchors anchors x block 16, random features, frozen embedding/head, AdamW.
     Shared with bench/long_bench.py."""
     types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    own = {k: v for k, v in shape.items() if k in DFlash2Config.__dataclass_fields__}  # drafter.dflash2's keys
+    rest = {k: v for k, v in shape.items() if k not in own}
     cfg = Config(drafter=DrafterConfig(num_hidden_layers=layers, layer_types=types, sliding_window=2048,
                                        block_size=16, arch=arch, max_position_embeddings=max(262144, S),
-                                       mask_token_id=248070 % vocab, **shape),
+                                       mask_token_id=248070 % vocab, dflash2=DFlash2Config(**own), **rest),
                  train=TrainConfig(loss_chunk_rows=chunk, gamma=7.0))
     with torch.device(dev):
         drafter = build_drafter(cfg, [1, 16, 31, 46, 61], vocab)  # what `dflash train` builds
