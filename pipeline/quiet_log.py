@@ -23,9 +23,6 @@ WARNINGS: list[tuple[str, str]] = [
     (r"You defined a `validation_step` but have no `val_dataloader`", "no validation split"),
     # Lightning's own tree helper calls torch's deprecated LeafSpec check: harmless, Lightning's to update
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", "Lightning uses a deprecated torch API"),
-    # validation runs every train.val_every steps; persistent workers would keep a store reader (and its memory)
-    # per worker alive between those runs, for a start-up of well under a second each time
-    (r"Consider setting `persistent_workers=True` in 'val_dataloader'", "validation is rare"),
     # Inductor's choice of a two-pass softmax where its online-softmax kernel does not apply (it has them only for
     # Triton, i.e. not on the CPU, and not for every shape): a kernel choice, the same math
     # (its text starts with a newline: the pattern allows leading whitespace)

@@ -168,10 +168,13 @@ def fit(*, cfg: Config, fitting: Fitting, task, data: Data, resume: bool, last: 
                 raise behind from None
             raise
         return end_stopped_run(e, trainer, launcher=ranks.launcher, ckpt_dir=ckpt_dir, hint=hint)
-    finally:  # the read-ahead stream's workers end with the fit, not at the interpreter's exit (a leaked semaphore)
+    finally:  # loader workers end with the fit, not at the interpreter's exit (a leaked semaphore)
         close = getattr(data.train_dl, "close_stream", None)
         if close is not None:
             close()
+        shutdown = getattr(getattr(data.val_dl, "_iterator", None), "_shutdown_workers", None)
+        if shutdown is not None:  # the validation loader's persistent worker
+            shutdown()
     return None
 
 

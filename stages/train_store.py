@@ -102,9 +102,11 @@ def dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pad
     if val:
         val_ds = StoreDataset(store_path, [], t.num_anchors, t.seed, fixed_anchors=True, growing=partial_store)
         val_sampler = RankBatchSampler(FixedSamples(val), t.batch_size, rank, world, t.seed, shuffle=False)
-        # validation stays one sample per row (the unpacked collate): val metrics comparable with or without packing
-        val_kw = {**kw, "persistent_workers": False, "collate_fn": partial(collate, pad_multiple=pad_multiple,
-                                                                            num_anchors=n_anchor)}
+        # validation stays one sample per row (the unpacked collate): val metrics comparable with or without packing.
+        # Its workers persist between validations (one at most: the split is small): a spawned worker's start
+        # (imports, the store opened) cost 8-9 s a validation on the 2-core machine; fit's end shuts it down
+        val_kw = {**kw, "num_workers": min(t.num_workers, 1), "collate_fn": partial(collate, pad_multiple=pad_multiple,
+                                                                                     num_anchors=n_anchor)}
         val_dl = torch.utils.data.DataLoader(val_ds, batch_sampler=val_sampler, **val_kw)
     return train_dl, val_dl, sampler
 

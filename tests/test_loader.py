@@ -170,3 +170,26 @@ print(torch.get_num_threads(), blosc.get_nthreads())
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                          capture_output=True, text=True, timeout=HANG_S)
     assert out.stdout.split() == ["1", "1"], out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_validation_keeps_one_worker_between_runs_with_the_same_batches(tiny_store):
+    """The validation loader's worker persists (a spawned worker's start cost 8-9 s a validation on the 2-core
+    machine): one worker at most, the same batches each validation (fixed anchors), the same process serving them,
+    and gone after the shutdown fit's end does (stages/train_fit.py)."""
+    from pipeline.config import load_config
+    from stages.train_store import dataloaders
+
+    cfg = load_config(None, ["train.num_workers=2", "train.batch_size=8"])
+    _, val_dl, _ = dataloaders(cfg, tiny_store, st.StoreReader(tiny_store), 0, 1, pad_multiple=1)
+    assert val_dl is not None and val_dl.num_workers == 1 and val_dl.persistent_workers
+    first = list(val_dl)
+    pids = [w.pid for w in val_dl._iterator._workers]
+    second = list(val_dl)
+    assert [w.pid for w in val_dl._iterator._workers] == pids and len(pids) == 1
+    assert len(first) == len(second) > 0
+    for a, b in zip(first, second):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+    workers = val_dl._iterator._workers
+    val_dl._iterator._shutdown_workers()
+    assert not any(w.is_alive() for w in workers)
