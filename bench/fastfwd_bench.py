@@ -13,9 +13,11 @@ GPU; fixed batches of 8 x 2048 tokens (no padding). Steps, all in one process:
    --profile-batches batches, the bare forward and each encoding's extraction under torch.profiler: per batch, the
    GPU's kernel time by family, its idle time between the first and the last kernel, the device-to-host copies,
    the kernels extraction adds, and the host's named ranges (`extract.*`: waiting for the writer, writing);
-4. (issue 30 item 4; --no-fp8-gemm skips it) the fast forward with the decoder layers' linears as row-scaled FP8
-   GEMMs (bench/fp8_gemm.py): tokens/s, kernel families, and each tap layer's output against the bf16 fast
-   forward's on 2 x --seq tokens (cosine, relative error).
+4. (issues 30 item 4 and 45; --no-fp8-gemm skips it) the fast forward with the decoder layers' linears as FP8
+   GEMMs: `--fp8-scaling block` (the default) as extract.target_precision fp8-block-from-bf16 makes them
+   (pipeline/fp8_block.py: 1 x 128 activation and 128 x 128 weight scales, the engines' numerics), `row` the
+   row-scaled probe of issue 30 (bench/fp8_gemm.py): tokens/s, kernel families, and each tap layer's output
+   against the bf16 fast forward's on 2 x --seq tokens (cosine, relative error).
 
     python bench/fastfwd_bench.py --out $OUT/fastfwd.json                       # the GPU part (device_run.sh fastfwd)
     python bench/fastfwd_bench.py --tiny --device cpu --ops torch --out x.json  # CPU smoke run (torch stand-ins)
@@ -109,6 +111,9 @@ def main(argv=None) -> None:
     ap.add_argument("--store-dir", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-fp8-gemm", action="store_true", help="skip step 4 (FP8 GEMMs)")
+    ap.add_argument("--fp8-scaling", default="block", choices=["block", "row"],
+                    help="step 4: block = extract.target_precision fp8-block's linears (pipeline/fp8_block.py: "
+                         "1 x 128 activation, 128 x 128 weight scales); row = the row-scaled probe (bench/fp8_gemm.py)")
     a = ap.parse_args(argv)
 
     import pipeline.fast_forward as ff
@@ -166,7 +171,7 @@ def main(argv=None) -> None:
         results["extraction"] = extraction(a, model, layer_ids, cfg, batches, dev, sync, one)
         if not a.no_fp8_gemm:
             try:
-                results["fp8_gemm"] = fp8_gemms(base, layer_ids, batches[0][:2], one, measure)
+                results["fp8_gemm"] = fp8_gemms(base, layer_ids, batches[0][:2], one, measure, a.fp8_scaling)
                 results["fp8_gemm"]["speedup_vs_fast"] = results["fp8_gemm"]["tok_s"] / results["fast"]["tok_s"]
             except Exception as e:  # noqa: BLE001 - the figures before it are still reported
                 results["fp8_gemm_error"] = f"{type(e).__name__}: {e}"[:500]
@@ -305,18 +310,19 @@ def added_kernels(p: dict, encodings: list, top: int = 12) -> dict:
     return out
 
 
-def fp8_gemms(base, layer_ids, probe, one, measure) -> dict:
-    """Step 4: the decoder layers' linears to FP8 GEMMs; speed, and the tap layers' outputs on `probe` against
-    the bf16 fast forward's."""
+def fp8_gemms(base, layer_ids, probe, one, measure, scaling: str = "block") -> dict:
+    """Step 4: the decoder layers' linears to FP8 GEMMs (block: fp8-block-from-bf16's BlockFP8Linear; row: the
+    probe); speed, and the tap layers' outputs on `probe` against the bf16 fast forward's."""
     from bench import fp8_gemm
+    from pipeline.fp8_block import quantize_linears
 
     with torch.inference_mode():
         ref = fp8_gemm.tap_outputs(base.layers, layer_ids, lambda: one(probe))
-    n = fp8_gemm.convert(base.layers)
-    r = measure("fast forward, FP8 GEMMs")
+    n = quantize_linears(base.layers) if scaling == "block" else fp8_gemm.convert(base.layers)
+    r = measure(f"fast forward, {scaling}-scaled FP8 GEMMs")
     with torch.inference_mode():
         new = fp8_gemm.tap_outputs(base.layers, layer_ids, lambda: one(probe))
-    r.update(linears=n, features=fp8_gemm.feature_error(ref, new), probe_tokens=probe.numel())
+    r.update(linears=n, scaling=scaling, features=fp8_gemm.feature_error(ref, new), probe_tokens=probe.numel())
     return r
 
 

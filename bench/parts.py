@@ -315,7 +315,9 @@ def fastfwd(c: Ctx) -> list:
     opts = ["--profile-batches", c.var("FF_PROFILE", "3", "1"), "--writers", c.var("FF_WRITERS", "thread", "thread,null"),
             *([] if c.var("FF_FP8", "1", "1") == "1" else ["--no-fp8-gemm"]),
             *([] if c.var("FF_REF", "1", "1") == "1" else ["--no-reference"]),
-            *([] if c.tiny else ["--batches", c.var("FF_BATCHES", "8", "1")])]
+            "--fp8-scaling", c.var("FF_FP8_SCALING", "block", "block"),
+            *([] if c.tiny else ["--batches", c.var("FF_BATCHES", "8", "1"),
+                                 "--encodings", c.var("FF_ENCODINGS", "int5,fp8,bf16", "int5")])]
     bench = _bench(c, "fastfwd_bench.py", ["--store-dir", str(c.tmp / "ffs"), "--out", str(c.out / "fastfwd.json"),
                                            *opts], tiny, "fastfwd.log", env=env,
                    timeout=float(c.var("FF_LIMIT", "400", "900")), show=110,

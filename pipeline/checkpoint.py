@@ -16,7 +16,9 @@ Contract:
 - `read_frozen_head(d, dtype)` reads embed_tokens / lm_head / final norm straight from the checkpoint.
 - A block-wise FP8 checkpoint (Qwen's FP8 releases: pipeline/fp8_weights.py) loads as its real weights: every
   FP8 tensor is dequantized with its `weight_scale_inv` on the way, in the target's dtype; any other
-  quantization is refused by name.
+  quantization is refused by name. With `fp8_block=True` (extract.target_precision fp8-block) an FP8 linear
+  weight of 128 x 128 blocks keeps its bytes and scale instead, its nn.Linear replaced by pipeline/fp8_block.py's
+  BlockFP8Linear (the served numerics); the rest loads as above.
 - `peak_rss_bytes()` is this process's peak resident set (VmHWM), for the loading measurements.
 """
 
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import CheckpointError
+from pipeline.fp8_weights import dequantize
 
 from pipeline.targets import SKIP_PREFIXES, TEXT_PREFIXES
 from pipeline.targets import transformers_text_config
@@ -152,14 +155,16 @@ def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_layers: Optional[int] = None,
-                    attn_implementation: str = "sdpa") -> nn.Module:
+                    attn_implementation: str = "sdpa", fp8_block: bool = False) -> nn.Module:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from pipeline import fp8_block as fb
     from pipeline.fp8_weights import quantization
 
     d = Path(d)
-    block = quantization(d)  # block-wise FP8 (Qwen's FP8 release): dequantized while streaming
+    block = quantization(d)  # block-wise FP8 (Qwen's FP8 release): dequantized while streaming, or kept (fp8_block)
+    kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fp8_block: linear name -> (FP8 weight, its scale)
     cfg = transformers_text_config(d, keep_layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
@@ -178,10 +183,16 @@ def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_laye
                 owner, _, attr = mk.rpartition(".")
                 mod = model.get_submodule(owner)
                 if mk in params:
-                    t = _real_weight(fh, key, names, dev, block, d).to(params[mk].dtype)
-                    mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+                    t, scale = _stored_weight(fh, key, names, dev, block, d)
+                    if scale is not None and fp8_block and attr == "weight" and fb.takes(mod, t, block):
+                        kept[owner] = (t, scale)  # runs as the engines' block-FP8 linear (pipeline/fp8_block.py)
+                        continue
+                    if scale is not None:
+                        t = dequantize(t, scale, block, name=f"{d}: {key}")  # refusals name the tensor
+                    mod._parameters[attr] = nn.Parameter(t.to(params[mk].dtype), requires_grad=False)
                 else:
                     mod._buffers[attr] = fh.get_tensor(key).to(mod._buffers[attr].dtype)
+    fb.adopt(model, kept)
     missing = sorted(k for k, p in model.named_parameters() if p.is_meta)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     out_emb = model.get_output_embeddings()
@@ -197,14 +208,14 @@ def load_text_model(d: Path, dtype: torch.dtype, device: torch.device, keep_laye
     return model.requires_grad_(False).eval()
 
 
-def _real_weight(fh, key: str, names: dict[str, Path], dev: str, block, d: Path) -> torch.Tensor:
-    """Tensor `key` of the open shard `fh`; an FP8 one dequantized with its `_scale_inv` (pipeline/fp8_weights.py),
-    read from whichever shard holds it."""
-    from pipeline.fp8_weights import dequantize, is_fp8, scale_key
+def _stored_weight(fh, key: str, names: dict[str, Path], dev: str, block, d: Path):
+    """(tensor `key` of the open shard `fh`, None), or for an FP8 tensor (its FP8 bytes, its `_scale_inv` checked:
+    pipeline/fp8_weights.py), the scale read from whichever shard holds it."""
+    from pipeline.fp8_weights import checked, is_fp8, scale_key
 
     t = fh.get_tensor(key)
-    if not is_fp8(t):  # every float8 dtype (e4m3, e5m2, fnuz) is dequantized with its scale
-        return t
+    if not is_fp8(t):  # every float8 dtype (e4m3, e5m2, fnuz) is read with its scale
+        return t, None
     sk = scale_key(key)
     if block is None or sk not in names:
         raise CheckpointError(f"{d}: {key} is stored in FP8 without {'its ' + sk if block else 'a quantization_config'}"
@@ -217,7 +228,14 @@ def _real_weight(fh, key: str, names: dict[str, Path], dev: str, block, d: Path)
     else:
         with safe_open(str(names[sk]), "pt", device=dev) as other:
             scale = other.get_tensor(sk)
-    return dequantize(t, scale, block, name=f"{d}: {key}")  # refusals name the tensor
+    checked(t, scale, block, name=f"{d}: {key}")  # refusals name the tensor
+    return t, scale
+
+
+def _real_weight(fh, key: str, names: dict[str, Path], dev: str, block, d: Path) -> torch.Tensor:
+    """Tensor `key` as its real weight: an FP8 one dequantized with its scale."""
+    t, scale = _stored_weight(fh, key, names, dev, block, d)
+    return t if scale is None else dequantize(t, scale, block, name=f"{d}: {key}")
 
 
 def read_frozen_head(d: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

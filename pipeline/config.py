@@ -35,6 +35,7 @@ from pipeline.config_dflash2 import DFlash2Config
 from pipeline.config_ranges import PACK_PER_MAX_LENGTH, check_ranges
 from pipeline.encoding import ENCODINGS
 from pipeline.errors import ConfigError  # noqa: F401 (re-exported: pipeline.config.ConfigError)
+from pipeline.fp8_block import PRECISIONS as TARGET_PRECISIONS
 
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "data" / "assets"
@@ -102,6 +103,9 @@ class ExtractConfig:
     queue_depth: int = 3  # batches in flight between forward and writer (bounds host memory)
     writer_threads: int = 4  # threads compressing and writing chunks
     fast_forward: bool = True  # the hybrid target on fused kernels (pipeline/fast_forward.py); false: transformers' forward
+    # the frozen target's numerics (pipeline/fp8_block.py): auto (bf16; one line when the checkpoint is block FP8) |
+    # bf16 | fp8-block (an FP8 release's FP8 GEMMs, as served) | fp8-block-from-bf16 (a bf16 checkpoint quantized)
+    target_precision: str = "auto"
 
 
 @dataclass
@@ -262,6 +266,7 @@ _CHOICES = {
     ("target", "dtype"): ("bfloat16", "float16", "float32"),
     ("target", "cpu_dtype"): ("bfloat16", "float32"),
     ("drafter", "arch"): DRAFTER_ARCHS,
+    ("extract", "target_precision"): TARGET_PRECISIONS,
     ("train", "export_checkpoint"): ("best", "last"),
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -22,6 +22,7 @@ Contract:
   that is not two positive integers, a scale whose shape is not [ceil(out / bo), ceil(in / bi)], a scale that is
   not a float, and any scale that is NaN, infinite, zero or negative (such a weight is silently wrong, or a NaN
   that later drops every sample).
+- `checked(w, scale_inv, block, name)`: dequantize's refusals alone (the FP8 capture keeps the bytes).
 - `quantize(w, block)`: (float8_e4m3fn weight, fp32 scale_inv) with scale_inv = amax(block) / 448, the inverse of
   dequantize up to FP8 rounding; `quantize(w, block, dtype=torch.float8_e5m2)` makes an e5m2 one (amax / 57344).
   It is used for tests and for the feature-difference study (bench/fp8_features.py), never at training time.
@@ -112,6 +113,13 @@ def _check_scale(scale_inv: torch.Tensor, want: tuple[int, int], block, name: st
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                name: str = "an FP8 weight") -> torch.Tensor:
     """The real weight of the float8 tensor `w` (fp32, [out, in]); see the module contract for what is refused."""
+    block = checked(w, scale_inv, block, name)
+    return w.float() * _expand(scale_inv.to(w.device), w.shape, block)  # [out, in] fp32
+
+
+def checked(w: torch.Tensor, scale_inv: torch.Tensor, block, name: str = "an FP8 weight") -> tuple[int, int]:
+    """`dequantize`'s refusals without the dequantization (pipeline/fp8_block.py keeps the FP8 bytes and their
+    scale as loaded): the block size, or one CheckpointError naming the tensor."""
     if w.dtype not in FP8_DTYPES:
         raise CheckpointError(f"{name} is stored as {w.dtype}, which is no FP8 weight format dflash reads "
                               f"({', '.join(str(d).removeprefix('torch.') for d in FP8_DTYPES)}); {_FIX}")
@@ -121,7 +129,7 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
     block = _block_size(block, name)
     want = (math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1]))
     _check_scale(scale_inv, want, block, name)
-    return w.float() * _expand(scale_inv.to(w.device), w.shape, block)  # [out, in] fp32
+    return block
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128),

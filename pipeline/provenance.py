@@ -53,7 +53,8 @@ def _encoding_fields(encoding: str, num_layers: int, hidden: int) -> dict:
             "feature_layout": {k: [list(shape), dt] for k, (shape, dt) in parts_spec(encoding, num_layers, hidden).items()}}
 
 
-def build_provenance(cfg, tokenizer, samples, num_shards: int, command: str, dataset_fingerprint: str) -> dict:
+def build_provenance(cfg, tokenizer, samples, num_shards: int, command: str, dataset_fingerprint: str,
+                     precision: str = "bf16") -> dict:
     """The root record of the store `dflash extract` makes from `cfg` and the ingested `samples` (whose
     fingerprint data.ingest.dataset_fingerprint computes). StoreError for an encoding the target cannot take."""
     tfp = target_fingerprint(cfg.target.path)
@@ -68,7 +69,7 @@ def build_provenance(cfg, tokenizer, samples, num_shards: int, command: str, dat
     return {
         "schema_version": st.SCHEMA_VERSION,
         "dflash_version": __version__,
-        "target": {"name": cfg.target.name, "path": cfg.target.path, **tfp},
+        "target": {"name": cfg.target.name, "path": cfg.target.path, **tfp, "precision": precision},
         "layer_ids": layer_ids,
         "hidden_size": tfp["hidden_size"],
         "encoding": encoding["encoding"],
@@ -113,8 +114,10 @@ def recode_source_problem(stored: dict, src_attrs: dict, dst: str) -> Optional[s
 IDENTITY_KEYS = (
     "target.config_sha256", "target.weights_sha256", "target.hidden_size", "target.vocab_size", "layer_ids",
     "encoding", "tokenizer.sha256", "tokenizer.chat_template_sha256", "tokenizer.enable_thinking",
-    "dataset.fingerprint", "max_length", "num_shards",
+    "dataset.fingerprint", "max_length", "num_shards", "target.precision",
 )
+# what a store written before a key existed holds for it (target.precision: every store before issue 45 was bf16)
+LEGACY = {"target.precision": "bf16"}
 
 
 def _get(d: dict, dotted: str) -> Any:
@@ -130,6 +133,7 @@ def provenance_differences(stored: dict, expected: dict, keys: tuple[str, ...] =
     diffs = []
     for key in keys:
         a, b = _get(stored, key), _get(expected, key)
+        a = LEGACY.get(key) if a is None else a
         if b is None:
             continue
         if a != b:

@@ -159,14 +159,25 @@ def local_checkpoint_dir(path: str) -> Path:
 
 
 def load_target(path: str, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa",
-                trust_remote_code: bool = False, keep_layers: Optional[int] = None) -> nn.Module:
+                trust_remote_code: bool = False, keep_layers: Optional[int] = None,
+                precision: str = "bf16") -> nn.Module:
     """The target's text causal LM on `device` in eval mode; with keep_layers only its first keep_layers decoder
-    layers exist (extraction: max(layer_ids) + 1). See the module contract."""
+    layers exist (extraction: max(layer_ids) + 1); `precision` is a resolved extract.target_precision
+    (pipeline/fp8_block.py: bf16, fp8-block, fp8-block-from-bf16). See the module contract."""
     from pipeline.checkpoint import load_text_model, weight_files
 
     d = local_checkpoint_dir(path)
     if not trust_remote_code and weight_files(d):
-        return load_text_model(d, dtype, device, keep_layers, attn_implementation)
+        model = load_text_model(d, dtype, device, keep_layers, attn_implementation, fp8_block=precision == "fp8-block")
+        if precision == "fp8-block-from-bf16":
+            from pipeline.fp8_block import quantize_linears
+
+            quantize_linears(decoder_layers(model))
+        return model
+    if precision != "bf16":
+        raise ConfigError(f"extract.target_precision = {precision} reads the checkpoint's safetensors with dflash's "
+                          f"loader; {path} is loaded through transformers (target.trust_remote_code, or no "
+                          "safetensors): set extract.target_precision=bf16")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(

@@ -44,10 +44,19 @@ class ExtractError(UserError, RuntimeError):
 
 
 def build_provenance(cfg: Config, tokenizer, samples, num_shards: int, command: str) -> dict:
-    """This run's root record (pipeline.provenance builds it) with ingest's fingerprint of `samples`."""
+    """This run's root record (pipeline.provenance builds it) with ingest's fingerprint of `samples` and the
+    target precision extract.target_precision resolves to (pipeline/fp8_block.py; its line when it says one)."""
     from data.ingest import dataset_fingerprint
+    from pipeline.fp8_block import resolve
+    from pipeline.fp8_weights import quantization
+    from pipeline.target import local_target_dir
 
-    return prov.build_provenance(cfg, tokenizer, samples, num_shards, command, dataset_fingerprint(samples))
+    precision, line = resolve(cfg.extract.target_precision, quantization(local_target_dir(cfg.target.path)),
+                              cfg.target.path)
+    if line:
+        print(f"extract: {line}", file=sys.stderr, flush=True)
+    return prov.build_provenance(cfg, tokenizer, samples, num_shards, command, dataset_fingerprint(samples),
+                                 precision=precision)
 
 
 def _log_dir(store: str) -> Path:

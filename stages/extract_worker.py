@@ -185,8 +185,13 @@ def _load_target(*, cfg: Config, root_attrs: dict) -> tuple:
 
         use_kernel_cache()  # before the kernels are imported: autotuning is kept for later batches and runs
     # straight to the device, text model only, layers 0..max(layer_ids) (pipeline/checkpoint.py)
+    precision = root_attrs["target"].get("precision", "bf16")  # resolved once, in the store's root record
     model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code,
-                        keep_layers=max(layer_ids) + 1)
+                        keep_layers=max(layer_ids) + 1, precision=precision)
+    if precision != "bf16":
+        from pipeline.fp8_block import describe
+
+        print(f"extract: target precision {precision}: {describe(model)}", file=sys.stderr, flush=True)
     _log_kernels(root_attrs)
     from pipeline.fast_forward import enable
 

@@ -1,0 +1,195 @@
+"""Block-FP8 capture (issue 45): the target's linears run the way vLLM and SGLang serve a block-FP8 release.
+
+`extract.target_precision` picks the numerics of the frozen target during extraction:
+  bf16                 every weight in the target's dtype (an FP8 release is dequantized while loading:
+                       pipeline/fp8_weights.py), bf16 GEMMs: the features of neither the bf16 model nor the served one
+  fp8-block            the FP8 release's weights stay FP8 with their 128 x 128 block scales, as loaded; each linear's
+                       input is quantized per token in groups of 128 channels and the GEMM runs in FP8 with fp32
+                       accumulation: the served target's features
+  fp8-block-from-bf16  a bf16 checkpoint's decoder linears quantized to block FP8 first (scale = amax / 448 per
+                       128 x 128 block, as the releases are made), then as fp8-block: for users who serve their
+                       own FP8 conversion
+  auto (the default)   bf16, with one line saying so when the checkpoint is a block-FP8 release: which capture
+                       serves an FP8 target better is issue 45's seeded τ comparison, not measured yet
+
+The numerics, read from the engines' block-FP8 linear (vLLM `vllm/model_executor/layers/quantization/utils/
+fp8_utils.py`: `per_token_group_quant_fp8` and `_w8a8_triton_block_scaled_mm`, adapted from SGLang's
+`python/sglang/srt/layers/quantization/fp8_kernel.py`):
+  activations  x [M, K] -> per token and group g of 128 channels: s = max(amax |x| in fp32, 1e-10) / 448,
+               x8 = clamp(x / s, -448, 448) cast to float8_e4m3fn (round to nearest even)
+  GEMM         y[m, n] = sum over K blocks k of (x8 . w8 over the block) * sx[m, k] * sw[n // 128, k], in fp32,
+               cast to the activation dtype; the bias (none in Qwen3.5/3.6) is added after
+`reference_linear` is that arithmetic in plain torch: both operands dequantized exactly as rounded, one fp32
+matmul (the same sums in another order). `BlockFP8Linear` runs it through `torch._scaled_mm`'s block-scaled FP8
+GEMM on CUDA (activation scales float32 [M, K/128] stored outer-dim-major, stride (1, M); weight scales the
+transposed view of the contiguous [N/128, K/128] `weight_scale_inv`), its activation quantization one compiled
+kernel; on the CPU, or for a shape that kernel does not take, it runs `reference_linear` itself.
+
+Contract: a linear runs in FP8 only when K is a multiple of 128 (the activation group) and its blocks are
+128 x 128; any other FP8 tensor is dequantized and its linear stays in the target's dtype (counted in the line
+`describe` prints). Store provenance records the precision (`target.precision`): a store is never resumed
+with features of another precision.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.errors import ConfigError
+from pipeline.fp8_weights import FP8, FP8_MAX, dequantize
+
+GROUP = 128  # activation channels per scale: the engines' group size, and the weights' block width
+BLOCK = (GROUP, GROUP)
+EPS = 1e-10  # the engines' floor on a group's amax (an all-zero group gets a tiny scale, not a division by zero)
+PRECISIONS = ("auto", "bf16", "fp8-block", "fp8-block-from-bf16")
+FP8_PRECISIONS = ("fp8-block", "fp8-block-from-bf16")
+
+
+def resolve(choice: str, block: Optional[tuple[int, int]], path: str) -> tuple[str, str]:
+    """(the precision extraction runs, one line saying why; empty for bf16 on a bf16 checkpoint) for
+    `extract.target_precision` = `choice` on a checkpoint whose FP8 block size is `block` (None: not FP8).
+    ConfigError names the key and the fix."""
+    if choice not in PRECISIONS:
+        raise ConfigError(f"extract.target_precision = {choice!r}: choose one of {', '.join(PRECISIONS)}")
+    fp8 = block is not None
+    if choice == "auto":
+        if not fp8:
+            return "bf16", ""  # the common case says nothing
+        return "bf16", (f"target precision bf16: {path} is a block-FP8 release, dequantized to bf16 GEMMs "
+                        "(extract.target_precision=fp8-block captures with the served FP8 GEMMs)")
+    if choice == "fp8-block" and not fp8:
+        raise ConfigError(f"extract.target_precision = fp8-block needs a block-FP8 release (config.json "
+                          f"quantization_config with quant_method fp8); {path} is not one: set "
+                          "fp8-block-from-bf16 to quantize it for capture, or bf16")
+    if choice == "fp8-block-from-bf16" and fp8:
+        raise ConfigError(f"extract.target_precision = fp8-block-from-bf16 quantizes a bf16 checkpoint; {path} is "
+                          "already a block-FP8 release: set fp8-block to capture with its own weights")
+    if choice == "fp8-block" and tuple(block) != BLOCK:
+        raise ConfigError(f"extract.target_precision = fp8-block runs 128 x 128 weight blocks (the engines' "
+                          f"block-FP8 linear); {path} has blocks of {list(block)}: set bf16")
+    return choice, f"target precision {choice}: FP8 GEMMs with 1 x 128 activation and 128 x 128 weight scales"
+
+
+# ---- the numerics ----------------------------------------------------------------------------------------------
+
+def quantize_act(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] (K a multiple of 128) -> (x8 [M, K] float8_e4m3fn, sx [M, K/128] fp32 with stride (1, M))."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // GROUP, GROUP)  # [M, G, 128]
+    s = xg.abs().amax(dim=-1).clamp(min=EPS) / FP8_MAX  # [M, G]
+    x8 = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, k)
+    return x8, s.t().contiguous().t()  # the scales outer-dim-major, as _scaled_mm takes them
+
+
+def dequantize_act(x8: Tensor, sx: Tensor) -> Tensor:
+    """The activations x8 * sx as fp32 [M, K]."""
+    m, k = x8.shape
+    return (x8.float().reshape(m, k // GROUP, GROUP) * sx.float().unsqueeze(-1)).reshape(m, k)
+
+
+def reference_linear(x: Tensor, w8: Tensor, scale_inv: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """The engines' block-FP8 linear in plain torch: x [..., K] -> [..., N] in x's dtype (module docstring)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x8, sx = quantize_act(x.reshape(-1, k))
+    y = dequantize_act(x8, sx) @ dequantize(w8, scale_inv, BLOCK).to(x.device).t()  # [M, N] fp32
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, w8.shape[0])
+
+
+_COMPILED: dict = {}
+
+
+def _quantize_on_device(x: Tensor) -> tuple[Tensor, Tensor]:
+    """quantize_act, one compiled kernel on CUDA (five eager ones otherwise: 17.7% of the FP8 probe's GPU time)."""
+    if not x.is_cuda:
+        return quantize_act(x)
+    if "q" not in _COMPILED:
+        _COMPILED["q"] = torch.compile(quantize_act, dynamic=True)
+    return _COMPILED["q"](x)
+
+
+def kernel_takes(w8: Tensor, device: torch.device) -> bool:
+    """Whether torch._scaled_mm's block-scaled GEMM runs this weight here: CUDA on compute capability 9.0+, the
+    weight's dimensions whole blocks of 128."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0) and w8.shape[0] % GROUP == 0 and w8.shape[1] % GROUP == 0
+
+
+class BlockFP8Linear(nn.Module):
+    """An nn.Linear of the target as served in block FP8: `weight` float8_e4m3fn [N, K] and `weight_scale_inv`
+    fp32 [ceil(N/128), K/128], as the release stores them (buffers: nothing here trains)."""
+
+    def __init__(self, w8: Tensor, scale_inv: Tensor, bias: Optional[Tensor] = None):
+        super().__init__()
+        if w8.dtype != FP8 or w8.dim() != 2 or w8.shape[1] % GROUP:
+            raise ValueError(f"BlockFP8Linear takes a float8_e4m3fn [N, K] weight with K a multiple of {GROUP}, "
+                             f"not {w8.dtype} {list(w8.shape)}")
+        self.out_features, self.in_features = w8.shape
+        self.register_buffer("weight", w8)
+        self.register_buffer("weight_scale_inv", scale_inv.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._kernel: Optional[bool] = None
+
+    def forward(self, x: Tensor) -> Tensor:  # x [..., K] -> [..., N]
+        if self._kernel is None:
+            self._kernel = kernel_takes(self.weight, x.device)
+        if not self._kernel:
+            return reference_linear(x, self.weight, self.weight_scale_inv, self.bias)
+        lead = x.shape[:-1]
+        x8, sx = _quantize_on_device(x.reshape(-1, self.in_features))  # [M, K], [M, K/128] stride (1, M)
+        y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale_inv.t(),
+                             out_dtype=x.dtype)  # [M, N], fp32 accumulation
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block=128x128"
+
+
+# ---- putting it into a model -----------------------------------------------------------------------------------
+
+def takes(module: nn.Module, w8: Tensor, block) -> bool:
+    """Whether the FP8 tensor `w8` of `module` runs as a BlockFP8Linear (else it is dequantized)."""
+    return (type(module) is nn.Linear and tuple(block) == BLOCK and w8.dtype == FP8 and w8.dim() == 2
+            and w8.shape[1] % GROUP == 0)
+
+
+def adopt(model: nn.Module, kept: dict[str, tuple[Tensor, Tensor]]) -> int:
+    """Replace each nn.Linear named in `kept` ({module name: (w8, scale_inv)}) by a BlockFP8Linear; its bias (a
+    loaded parameter) moves along. -> how many."""
+    for name, (w8, scale) in kept.items():
+        owner, _, attr = name.rpartition(".")
+        parent = model.get_submodule(owner) if owner else model
+        old = getattr(parent, attr)
+        bias = old.bias.detach() if old.bias is not None and not old.bias.is_meta else None
+        setattr(parent, attr, BlockFP8Linear(w8, scale, bias))
+    return len(kept)
+
+
+def quantize_linears(layers: nn.Module) -> int:
+    """fp8-block-from-bf16: every nn.Linear under `layers` (the decoder layers) whose input is whole 128-groups
+    becomes a BlockFP8Linear of its own block quantization (pipeline/fp8_weights.quantize, as the releases and
+    bench/fp8_features.py's copies are made). -> how many."""
+    from pipeline.fp8_weights import quantize
+
+    todo = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.in_features % GROUP == 0]
+    for parent, name, child in todo:
+        w8, scale = quantize(child.weight.detach(), BLOCK)
+        bias = None if child.bias is None else child.bias.detach()
+        setattr(parent, name, BlockFP8Linear(w8, scale, bias))
+    return len(todo)
+
+
+def describe(model: nn.Module) -> str:
+    """One line: how many linears run in block FP8, and how many other linears keep the target's dtype."""
+    fp8 = sum(isinstance(m, BlockFP8Linear) for m in model.modules())
+    other = sum(type(m) is nn.Linear for m in model.modules())
+    return f"{fp8} linears in block FP8, {other} in the target's dtype (head, or not whole 128-blocks)"
