@@ -56,6 +56,10 @@ SAMPLE_BYTES = 21  # sample_start int64 + sample_length int32 + sample_id uint64
 RATE_27B_H200 = 11398
 RATE_27B_H200_REFERENCE = 8977
 RATE_27B_H200_NO_FLA = 6413
+# extract.target_precision fp8-block: the block-FP8 fast forward's bare rate, 12,541 (issue 45, 2026-12-04 20:22,
+# docs/benchmarks.md), times the share of its bare forward bf16 extraction keeps (11,398 / 12,101): extraction in
+# fp8-block itself is not measured yet
+RATE_27B_H200_FP8_BLOCK = round(12541 * RATE_27B_H200 / 12101)
 WEIGHT_BYTES_27B = 27e9 * 2  # bf16 weights of the 27B class, the reference for scaling by size
 NODE_GPUS_NO_GPU = 8  # `dflash extract --plan` on a machine without a GPU: the node assumed (8 x H200)
 
@@ -113,12 +117,15 @@ def free_disk(store_path: str) -> tuple[Optional[int], str]:
 
 
 def estimate_time(tokens: int, gpus: int, weight_bytes: Optional[float], cuda: bool,
-                  fast_forward: bool = True) -> tuple[Optional[float], str]:
+                  fast_forward: bool = True, fp8_block: bool = False) -> tuple[Optional[float], str]:
     rate = RATE_27B_H200 if fast_forward else RATE_27B_H200_REFERENCE
+    how = ("dflash's fast forward (measured 2026-12-02" if fast_forward else
+           "transformers' forward (extract.fast_forward off; measured 2026-11-30")
+    if fp8_block and fast_forward:
+        rate, how = RATE_27B_H200_FP8_BLOCK, ("dflash's fast forward in block FP8 (extract.target_precision: its bare "
+                                              "forward measured 2026-12-04, times bf16 extraction's share of its own")
     src = (("no GPU here, so the built-in H200 rates: " if not cuda else "")
-           + f"{rate:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention and "
-           + ("dflash's fast forward (measured 2026-12-02" if fast_forward else
-              "transformers' forward (extract.fast_forward off; measured 2026-11-30")
+           + f"{rate:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention and {how}"
            + f"; {RATE_27B_H200_NO_FLA:,} on torch fallbacks)")
     if weight_bytes is None or weight_bytes >= 0.5 * WEIGHT_BYTES_27B:
         return tokens / (rate * gpus), f"from {src}; assumes an H200-class GPU per shard"
@@ -234,7 +241,8 @@ def make_plan(cfg: Config, store_path: str, shards: int, out=sys.stderr, train_g
     total = tokens * (raw * factor + TOKEN_BYTES) + len(samples) * SAMPLE_BYTES + head
     free, at = free_disk(store_path)
     weights = sum(f.stat().st_size for f in d.glob("*.safetensors")) or None
-    seconds, note = estimate_time(tokens, shards, weights, cuda, cfg.extract.fast_forward)
+    seconds, note = estimate_time(tokens, shards, weights, cuda, cfg.extract.fast_forward,
+                                  fp8_block=cfg.extract.target_precision in ("fp8-block", "fp8-block-from-bf16"))
     where = ("the tiny target's features" if size == "tiny" else "27B-shaped synthetic activations") + \
         f" ({'hidden < ' if size == 'tiny' else 'hidden >= '}{LARGE_HIDDEN}; pipeline/encoding.py COMPRESSION)"
     if not measured:
