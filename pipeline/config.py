@@ -200,6 +200,9 @@ class EvalConfig:
     # online: the hybrid target on fused kernels (pipeline/fast_forward.py) where it applies (CUDA with fla); its
     # cached-call GPU test passed on the H200 (2026-12-02; docs/benchmarks.md); false: transformers' forward
     fast_forward: bool = True
+    # online: the target's numerics as served (pipeline/fp8_block.py, as extract.target_precision): fp8-block
+    # evaluates a drafter against an FP8 release's FP8 GEMMs; auto: bf16
+    target_precision: str = "auto"
 
 
 @dataclass
@@ -267,6 +270,7 @@ _CHOICES = {
     ("target", "cpu_dtype"): ("bfloat16", "float32"),
     ("drafter", "arch"): DRAFTER_ARCHS,
     ("extract", "target_precision"): TARGET_PRECISIONS,
+    ("eval", "target_precision"): TARGET_PRECISIONS,
     ("train", "export_checkpoint"): ("best", "last"),
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")

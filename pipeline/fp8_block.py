@@ -48,27 +48,28 @@ PRECISIONS = ("auto", "bf16", "fp8-block", "fp8-block-from-bf16")
 FP8_PRECISIONS = ("fp8-block", "fp8-block-from-bf16")
 
 
-def resolve(choice: str, block: Optional[tuple[int, int]], path: str) -> tuple[str, str]:
+def resolve(choice: str, block: Optional[tuple[int, int]], path: str,
+            key: str = "extract.target_precision") -> tuple[str, str]:
     """(the precision extraction runs, one line saying why; empty for bf16 on a bf16 checkpoint) for
-    `extract.target_precision` = `choice` on a checkpoint whose FP8 block size is `block` (None: not FP8).
-    ConfigError names the key and the fix."""
+    `key` (extract.target_precision, eval.target_precision) = `choice` on a checkpoint whose FP8 block size is
+    `block` (None: not FP8). ConfigError names the key and the fix."""
     if choice not in PRECISIONS:
-        raise ConfigError(f"extract.target_precision = {choice!r}: choose one of {', '.join(PRECISIONS)}")
+        raise ConfigError(f"{key} = {choice!r}: choose one of {', '.join(PRECISIONS)}")
     fp8 = block is not None
     if choice == "auto":
         if not fp8:
             return "bf16", ""  # the common case says nothing
         return "bf16", (f"target precision bf16: {path} is a block-FP8 release, dequantized to bf16 GEMMs "
-                        "(extract.target_precision=fp8-block captures with the served FP8 GEMMs)")
+                        f"({key}=fp8-block runs the served FP8 GEMMs)")
     if choice == "fp8-block" and not fp8:
-        raise ConfigError(f"extract.target_precision = fp8-block needs a block-FP8 release (config.json "
+        raise ConfigError(f"{key} = fp8-block needs a block-FP8 release (config.json "
                           f"quantization_config with quant_method fp8); {path} is not one: set "
                           "fp8-block-from-bf16 to quantize it for capture, or bf16")
     if choice == "fp8-block-from-bf16" and fp8:
-        raise ConfigError(f"extract.target_precision = fp8-block-from-bf16 quantizes a bf16 checkpoint; {path} is "
+        raise ConfigError(f"{key} = fp8-block-from-bf16 quantizes a bf16 checkpoint; {path} is "
                           "already a block-FP8 release: set fp8-block to capture with its own weights")
     if choice == "fp8-block" and tuple(block) != BLOCK:
-        raise ConfigError(f"extract.target_precision = fp8-block runs 128 x 128 weight blocks (the engines' "
+        raise ConfigError(f"{key} = fp8-block runs 128 x 128 weight blocks (the engines' "
                           f"block-FP8 linear); {path} has blocks of {list(block)}: set bf16")
     return choice, f"target precision {choice}: FP8 GEMMs with 1 x 128 activation and 128 x 128 weight scales"
 

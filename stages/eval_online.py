@@ -103,13 +103,23 @@ def _layer_types(path: str) -> Optional[list]:
 
 
 def load_online_target(cfg: Config, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The target on `device`, with dflash's fast forward where it applies (`eval.fast_forward`: CUDA with
+    """The target on `device` in the numerics `eval.target_precision` picks (pipeline/fp8_block.py: an FP8
+    release's FP8 GEMMs, as served), with dflash's fast forward where it applies (`eval.fast_forward`: CUDA with
     flash-linear-attention, pipeline/fast_forward.py; it serves the cached prefill, decode and verify forwards);
     logs which forward runs, or why the reference does."""
+    from pipeline import fp8_block
     from pipeline.fast_forward import enable
-    from pipeline.target import load_target
+    from pipeline.fp8_weights import quantization
+    from pipeline.target import load_target, local_target_dir
 
-    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code)
+    precision, line = fp8_block.resolve(cfg.eval.target_precision, quantization(local_target_dir(cfg.target.path)),
+                                        cfg.target.path, key="eval.target_precision")
+    if line:
+        log(f"eval: {line}")
+    model = load_target(cfg.target.path, dtype, device, cfg.target.attn_implementation, cfg.target.trust_remote_code,
+                        precision=precision)
+    if precision != "bf16":
+        log(f"eval: target precision {precision}: {fp8_block.describe(model)}")
     log(f"eval: {enable(model, device, cfg.eval.fast_forward, key='eval.fast_forward')}")
     return model
 

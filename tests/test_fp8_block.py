@@ -184,6 +184,31 @@ def test_the_store_records_the_precision_and_refuses_to_mix_them():
     assert diffs == ["target.precision: store has 'bf16', this run has 'fp8-block'"]
 
 
+def test_the_online_eval_serves_the_fp8_target_with_its_cache_as_asked(tmp_path, capsys):
+    """eval.target_precision: the online eval's target in block FP8 (a drafter evaluated against the served
+    numerics), its one-token cached decode steps equal to the full forward; auto: bf16 GEMMs, said in one line."""
+    from stages.eval_online import load_online_target
+
+    fp8 = tmp_path / "fp8"
+    write_fp8_checkpoint(Path(TINY), fp8)
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [f"target.path={fp8}", "eval.target_precision=fp8-block"])
+    model = load_online_target(cfg, torch.device("cpu"), torch.float32)
+    assert fb.describe(model).startswith("56 linears in block FP8")
+    ids = torch.randint(3, 500, (1, 20), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[0, -1]
+        pre = model(input_ids=ids[:, :-1], use_cache=True)
+        step = model(input_ids=ids[:, -1:], past_key_values=pre.past_key_values, use_cache=True).logits[0, -1]
+    assert float((step - full).abs().max() / full.abs().max()) < 1e-4  # M = 1 rows through the FP8 linears
+    auto = load_online_target(load_config(str(ROOT / "configs" / "tiny.yaml"), [f"target.path={fp8}"]),
+                              torch.device("cpu"), torch.float32)
+    assert not any(isinstance(m, fb.BlockFP8Linear) for m in auto.modules())
+    assert "eval: target precision bf16: " in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="eval.target_precision = fp8-block needs a block-FP8 release"):
+        load_online_target(load_config(str(ROOT / "configs" / "tiny.yaml"), ["eval.target_precision=fp8-block"]),
+                           torch.device("cpu"), torch.float32)
+
+
 @pytest.mark.slow
 def test_extract_in_fp8_block_records_it_and_a_bf16_resume_is_refused(tmp_path):
     from tests.helpers_cli import dflash
@@ -222,6 +247,9 @@ def test_block_fp8_linear_on_the_gpu_equals_the_reference():
     assert mod._kernel is True and y.dtype == torch.bfloat16 and y.shape == (3, 700, 1024)
     ref = fb.reference_linear(x.float(), w8, sw)
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2  # the bf16 output's rounding
+    one = torch.randn(1, 1, 5120, device="cuda", dtype=torch.bfloat16, generator=g)  # a cached decode step's row
+    ref1 = fb.reference_linear(one.float(), w8, sw)
+    assert float((mod(one).float() - ref1).norm() / ref1.norm()) < 1e-2
     odd = fb.BlockFP8Linear(*quantize(torch.randn(48, 256, device="cuda") * 0.02, (128, 128))).cuda()
     xo = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16, generator=g)
     assert torch.equal(odd(xo), fb.reference_linear(xo, odd.weight, odd.weight_scale_inv)) and odd._kernel is False
