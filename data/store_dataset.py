@@ -110,16 +110,16 @@ def worker_init(_worker_id: int) -> None:
     """DataLoader workers decode chunks; one thread each keeps them from fighting the training step for cores.
     Ctrl-C in a terminal reaches the whole process group: workers ignore it and let the training process stop
     them (a worker dying of SIGINT would turn a clean stop into a DataLoader crash). A worker exits at once
-    when its training process is gone."""
+    when its training process is gone (spawned by it, or forked by data/loader_workers.py's forkserver)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     import multiprocessing
 
-    # the parent's pid as multiprocessing passed it: a worker whose parent died while it was still importing
-    # would see os.getppid() == 1 here already and never notice (torch's own check has that blind spot)
+    # the training process's pid as multiprocessing passed it: a worker whose parent died while it was still
+    # importing would see os.getppid() == 1 here already and never notice (torch's own check has that blind
+    # spot), and a forkserver's worker has the server for its parent
     parent = multiprocessing.parent_process()
-    pid = parent.pid if parent is not None and parent.pid else os.getppid()
-    watch_parent(pid)
+    watch_parent(parent.pid if parent is not None and parent.pid else os.getppid())
     try:
         from numcodecs import blosc
 

@@ -68,16 +68,37 @@ class StopFlag:
 
 
 def watch_parent(parent: int) -> None:
-    """Exit this process at once when `parent` is no longer its parent (it died: SIGKILL, the OOM killer).
+    """Exit this process at once when process `parent` has ended (SIGKILL, the OOM killer): the process that
+    started it, directly (spawn) or through a forkserver (data/loader_workers.py), which is then not getppid().
     torch's own loader-worker check compares with getppid() at start-up (already 1 for a worker whose parent
-    died while it was importing: such orphans were seen) and runs only between batches."""
+    died while it was importing: such orphans were seen; the forkserver's pid under a forkserver, which lives
+    as long as its workers do) and runs only between batches."""
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while not process_gone(parent):
             time.sleep(0.5)
         os._exit(0)
 
     threading.Thread(target=watch, name="dflash-parent-watch", daemon=True).start()
+
+
+def process_gone(pid: int) -> bool:
+    """Has process `pid` ended? A child of ours is alive while it is our parent; any other pid by /proc (a
+    zombie has ended), or by signal 0 where there is no /proc."""
+    if os.getppid() == pid:
+        return False
+    if os.path.isdir("/proc/self"):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
 
 
 class Tee:

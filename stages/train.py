@@ -139,6 +139,10 @@ def _train(req: TrainRequest) -> int:
     cfg, paths, store_path, hint = req.cfg, req.paths, req.store_path, resume_command(req.command)
     train_phases.open_run(cfg=cfg, paths=paths, resume=req.resume, init_from=req.init_from)
     ranks = train_phases.place_ranks(cfg=cfg, gpus=req.gpus, devices=req.devices, num_nodes=req.num_nodes)
+    if cfg.train.num_workers > 0:  # the loader workers' forkserver imports torch beside this process's set-up
+        from data.loader_workers import start_early
+
+        start_early()
     opened = train_phases.open_training_store(cfg=cfg, store_path=store_path, follow=req.follow,
                                               committed_only=req.committed_only, resume=req.resume, last=paths.last,
                                               ranks=ranks, command=req.command, hint=hint)

@@ -62,6 +62,7 @@ def _sources(reader) -> tuple:
 
 def dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pad_multiple: int,
                  stream_epochs: tuple = ()):
+    from data import loader_workers
     from data.follow import GrowingStore
     from data.sampler import FixedSamples
     from data.store_dataset import RankBatchSampler, ResumableLoader, StoreDataset, collate, worker_init
@@ -86,9 +87,10 @@ def dataloaders(cfg: Config, store_path: str, reader, rank: int, world: int, pad
     sampler = RankBatchSampler(train, t.batch_size, rank, world, t.seed, stream_epochs=stream_epochs,
                                buffer=t.follow_buffer, group_factor=t.length_group_factor, pack_tokens=packing,
                                accumulate=t.accumulate_grad_batches)
-    # spawn, not fork: this process already runs zarr's IO thread, and forking beside it can deadlock
+    # never forked from this process (it runs zarr's IO thread): from the forkserver started early, or spawned
     kw = dict(num_workers=t.num_workers, collate_fn=col, worker_init_fn=worker_init,
-              multiprocessing_context="spawn" if t.num_workers > 0 else None, pin_memory=torch.cuda.is_available(),
+              multiprocessing_context=loader_workers.context() if t.num_workers > 0 else None,
+              pin_memory=torch.cuda.is_available(),
               persistent_workers=t.num_workers > 0, prefetch_factor=4 if t.num_workers > 0 else None)
     train_dl = ResumableLoader(train_ds, batch_sampler=sampler, **kw)
     train_dl.ahead_epochs = None if growing else t.epochs  # the next epoch read while this one ends (a finished store)

@@ -123,6 +123,66 @@ if __name__ == "__main__":
         raise AssertionError("the orphaned worker kept running after worker_init")
 
 
+def test_forkserver_workers_start_imported_and_exit_with_a_killed_trainer(tmp_path, monkeypatch):
+    """The loaders' workers fork from data/loader_workers.py's forkserver (torch already imported there; a
+    spawned worker imported it again, 2-4 s before the first batch on this machine). Their parent is then the
+    server, which lives as long as they do: SIGKILL the training process, and the worker (watching the trainer,
+    not its parent) exits, then the server. DFLASH_LOADER_START=spawn keeps the old start."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = tmp_path / "trainer.py"
+    script.write_text(f"""
+import os, signal, sys
+sys.path.insert(0, {str(root)!r})
+import torch
+from data import loader_workers
+from data.store_dataset import worker_init
+
+class Pids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor([i, os.getpid(), os.getppid(), int("torch" in sys.modules)])
+
+if __name__ == "__main__":
+    ctx = loader_workers.context()
+    dl = torch.utils.data.DataLoader(Pids(), batch_size=2, num_workers=1, worker_init_fn=worker_init,
+                                     multiprocessing_context=ctx, persistent_workers=True)
+    batch = next(iter(dl))
+    print(ctx.get_start_method(), *batch[0].tolist(), os.getpid(), flush=True)
+    if ctx.get_start_method() == "forkserver":
+        os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies, no cleanup
+""")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == -9, r.stdout + r.stderr
+    method, first, worker_pid, server_pid, imported, trainer = r.stdout.split()
+    assert (method, first, imported) == ("forkserver", "0", "1") and server_pid != trainer, r.stdout
+
+    def running(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + 60  # a hang guard: the worker's watch polls every 0.5 s
+    while (running(worker_pid) or running(server_pid)) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [p for p in (worker_pid, server_pid) if running(p)]
+    for p in left:
+        os.kill(int(p), 9)
+    assert not left, f"still running after their trainer's SIGKILL: {left} (worker {worker_pid}, server {server_pid})"
+    from data import loader_workers
+
+    monkeypatch.setenv("DFLASH_LOADER_START", "spawn")
+    assert loader_workers.context().get_start_method() == "spawn"
+
+
 def test_reader_opens_each_array_once_and_reads_the_same_values(small_store):
     """Opening a zarr array parses its zarr.json; per read that was half a sample's read time. The reader keeps
     the arrays it opened, and what it returns does not change (checked against a fresh open of each array)."""

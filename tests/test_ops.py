@@ -296,6 +296,13 @@ def _proc_status(pid) -> str:
         return "gone"
 
 
+def _ppid(pid) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
 def test_training_kill9_leaves_no_loader_workers(tiny_store, tmp_path, devices):
@@ -328,8 +335,9 @@ def test_training_kill9_leaves_no_loader_workers(tiny_store, tmp_path, devices):
             return ""
 
     kids = children(p.pid)
-    workers = [k for k in kids if "spawn_main" in cmdline(k)]
-    assert len(workers) >= 2 * devices, kids  # each rank's loader workers (and resource trackers)
+    servers = {k for k in kids if "forkserver" in cmdline(k) and "forkserver" not in cmdline(_ppid(k))}
+    workers = [k for k in kids if "spawn_main" in cmdline(k) or _ppid(k) in servers]  # forked by data/loader_workers
+    assert len(workers) >= 2 * devices, kids  # each rank's loader workers (besides servers and resource trackers)
     p.send_signal(signal.SIGKILL)
     p.wait()
     _wait_until(lambda: not any(running(k) for k in kids))  # a just-spawned worker may still import
