@@ -9,8 +9,8 @@
   fp8-block-from-bf16  a bf16 checkpoint's decoder linears quantized to block FP8 first (scale = amax / 448 per
                        128 x 128 block, as the releases are made), then as fp8-block: for users who serve their
                        own FP8 conversion
-  auto (the default)   bf16, with one line saying so when the checkpoint is a block-FP8 release: which capture
-                       serves an FP8 target better is issue 45's seeded τ comparison, not measured yet
+  auto (the default)   bf16, with one line saying so when the checkpoint is a block-FP8 release: issue 45's
+                       seeded τ pairs found FP8 capture no better for an FP8-served target (docs/benchmarks.md)
 
 The numerics, read from the engines' block-FP8 linear (vLLM `vllm/model_executor/layers/quantization/utils/
 fp8_utils.py`: `per_token_group_quant_fp8` and `_w8a8_triton_block_scaled_mm`, adapted from SGLang's
