@@ -178,7 +178,7 @@ def e2emfu(c: Ctx) -> list:
     return [_e2e(c, "64", "", ["--cold-steps", "1", "--steps", c.var("E2E_STEPS", "53", "5"), "--gpus", "0", "0",
                  "--checkpoint-every", c.var("E2E_CKPT_EVERY", "20", "2"),
                  "--out", str(c.out / "e2e_mfu.json")], "e2e_mfu.log", limit="420", show=12,
-                 only=r"first batch done|start-up|checkpoint|Error|error|^run |^warm|^cold|MFU|recompil")]
+                 only=r"first batch done|start-up|fit set-up|compiles|checkpoint|Error|error|^run |^warm|^cold|MFU|recompil")]
 
 
 @part("e2eprof")
@@ -304,7 +304,8 @@ def longdiag(c: Ctx) -> list:
 def fastfwd(c: Ctx) -> list:
     """Issue 30 (~6 min on one GPU): the 27B hybrid (layers 0..61, 8 x 2048): bare forward reference vs fast (goal
     >= 12,000 tok/s), kernel families before/after, extraction int5/fp8/bf16 vs the fast bare forward (goal >= 0.95);
-    then FP8 GEMMs (issue 30 item 4: speed, tap layers vs bf16); then the bf16 equality tests on a small-width
+    then FP8 GEMMs (issues 30 item 4 and 45: speed, tap layers vs bf16, extraction in FF_FP8_EXTRACT encodings
+    against the FP8 bare forward); then the bf16 equality tests on a small-width
     hybrid (figures: fastfwd_equal.json; the cached test's in fastfwd_test.log; FF_TEST_FILES adds other GPU
     test files, FF_TEST_JOBS > 1 runs them side by side), which find most kernels tuned by the bench (their autotuning is the long part; the
     cached test tunes the delta rule with a state and the per-step decode kernels). Tiny: torch stand-ins of the kernels on the CPU."""
@@ -316,6 +317,7 @@ def fastfwd(c: Ctx) -> list:
             *([] if c.var("FF_FP8", "1", "1") == "1" else ["--no-fp8-gemm"]),
             *([] if c.var("FF_REF", "1", "1") == "1" else ["--no-reference"]),
             "--fp8-scaling", c.var("FF_FP8_SCALING", "block", "block"),
+            "--fp8-extract", c.var("FF_FP8_EXTRACT", "int5", "int5"),
             *([] if c.tiny else ["--batches", c.var("FF_BATCHES", "8", "1"),
                                  "--encodings", c.var("FF_ENCODINGS", "int5,fp8,bf16", "int5")])]
     bench = _bench(c, "fastfwd_bench.py", ["--store-dir", str(c.tmp / "ffs"), "--out", str(c.out / "fastfwd.json"),

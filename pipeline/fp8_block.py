@@ -22,17 +22,21 @@ fp8_utils.py`: `per_token_group_quant_fp8` and `_w8a8_triton_block_scaled_mm`, a
 `reference_linear` is that arithmetic in plain torch: both operands dequantized exactly as rounded, one fp32
 matmul (the same sums in another order). `BlockFP8Linear` runs it through `torch._scaled_mm`'s block-scaled FP8
 GEMM on CUDA (activation scales float32 [M, K/128] stored outer-dim-major, stride (1, M); weight scales the
-transposed view of the contiguous [N/128, K/128] `weight_scale_inv`), its activation quantization one compiled
-kernel; on the CPU, or for a shape that kernel does not take, it runs `reference_linear` itself.
+transposed view of the contiguous [N/128, K/128] `weight_scale_inv`; an N that is not whole 128-blocks, the GDN's
+48-row in_proj_b/a, padded with zero rows), its activation quantization one Triton kernel
+(pipeline/fp8_act_kernel.py) done once per input tensor and shared by the sibling linears that read it
+(`quantize_input`); on the CPU, or below compute capability 9.0, it runs `reference_linear`'s arithmetic.
 
 Contract: a linear runs in FP8 only when K is a multiple of 128 (the activation group) and its blocks are
-128 x 128; any other FP8 tensor is dequantized and its linear stays in the target's dtype (counted in the line
+128 x 128 (any N); any other FP8 tensor is dequantized and its linear stays in the target's dtype (counted in the line
 `describe` prints). Store provenance records the precision (`target.precision`): a store is never resumed
 with features of another precision.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -102,24 +106,51 @@ def reference_linear(x: Tensor, w8: Tensor, scale_inv: Tensor, bias: Optional[Te
     return y.reshape(*lead, w8.shape[0])
 
 
-_COMPILED: dict = {}
+_SHARED = threading.local()  # the last input quantized on this thread: (weakref to it, its version, (x8, sx))
 
 
-def _quantize_on_device(x: Tensor) -> tuple[Tensor, Tensor]:
-    """quantize_act, one compiled kernel on CUDA (five eager ones otherwise: 17.7% of the FP8 probe's GPU time)."""
-    if not x.is_cuda:
-        return quantize_act(x)
-    if "q" not in _COMPILED:
-        _COMPILED["q"] = torch.compile(quantize_act, dynamic=True)
-    return _COMPILED["q"](x)
+def _version(x: Tensor) -> Optional[int]:
+    return None if x.is_inference() else x._version  # inference tensors keep no version counter
+
+
+def quantize_input(x: Tensor) -> tuple[Tensor, Tensor]:
+    """quantize_act(x [..., K] as [M, K]), once per input tensor: sibling linears that read the same tensor one
+    after another (q/k/v, gate/up, the GDN's four input projections) share one quantization. The last input is
+    held by a weak reference (its quantization lives no longer than it, per thread), and a tensor changed in
+    place since (its version counter; tensors made under inference mode keep none) is quantized again. On CUDA
+    one Triton kernel (pipeline/fp8_act_kernel.py), elsewhere the plain torch of `quantize_act`."""
+    last = getattr(_SHARED, "last", None)
+    if last is not None and last[0]() is x and last[1] == _version(x):
+        return last[2]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
+        from pipeline import fp8_act_kernel
+
+        q = fp8_act_kernel.quantize(x2)
+    else:
+        q = quantize_act(x2)
+    _SHARED.last = (weakref.ref(x), _version(x), q)
+    return q
 
 
 def kernel_takes(w8: Tensor, device: torch.device) -> bool:
-    """Whether torch._scaled_mm's block-scaled GEMM runs this weight here: CUDA on compute capability 9.0+, the
-    weight's dimensions whole blocks of 128."""
+    """Whether torch._scaled_mm's block-scaled GEMM runs this weight here: CUDA on compute capability 9.0+, K whole
+    blocks of 128 (an N that is not is padded to whole blocks: `BlockFP8Linear`)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and w8.shape[0] % GROUP == 0 and w8.shape[1] % GROUP == 0
+    return torch.cuda.get_device_capability(device) >= (9, 0) and w8.shape[1] % GROUP == 0
+
+
+def _padded_rows(w8: Tensor) -> Tensor:
+    """w8 [N, K] with zero rows up to whole 128-blocks of N (the kernel's tiles; the GDN's in_proj_b/a have N = 48).
+    Its scale rows are already ceil(N/128): the padded rows read the last block's scale and give zeros, sliced
+    off after the GEMM, so the outputs of the N real rows are those of the engines' masked tiles."""
+    n, k = w8.shape
+    if n % GROUP == 0:
+        return w8
+    out = torch.zeros(-(-n // GROUP) * GROUP, k, dtype=torch.uint8, device=w8.device)
+    out[:n].copy_(w8.view(torch.uint8))
+    return out.view(FP8)
 
 
 class BlockFP8Linear(nn.Module):
@@ -136,19 +167,25 @@ class BlockFP8Linear(nn.Module):
         self.register_buffer("weight_scale_inv", scale_inv.float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._kernel: Optional[bool] = None
+        self._w_kernel: Optional[Tensor] = None  # the weight as the kernel takes it: rows padded to whole blocks
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., K] -> [..., N]
         if self._kernel is None:
             self._kernel = kernel_takes(self.weight, x.device)
-        if not self._kernel:
-            return reference_linear(x, self.weight, self.weight_scale_inv, self.bias)
-        lead = x.shape[:-1]
-        x8, sx = _quantize_on_device(x.reshape(-1, self.in_features))  # [M, K], [M, K/128] stride (1, M)
-        y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale_inv.t(),
-                             out_dtype=x.dtype)  # [M, N], fp32 accumulation
+        lead, n = x.shape[:-1], self.out_features
+        x8, sx = quantize_input(x)  # [M, K] fp8, [M, K/128] fp32 stride (1, M); shared with sibling linears
+        if self._kernel:
+            if self._w_kernel is None or self._w_kernel.device != x.device:
+                self._w_kernel = _padded_rows(self.weight)  # [ceil(N/128) * 128, K]
+            y = torch._scaled_mm(x8, self._w_kernel.t(), scale_a=sx, scale_b=self.weight_scale_inv.t(),
+                                 out_dtype=x.dtype)  # [M, N padded], fp32 accumulation
+            y = y[:, :n] if y.shape[1] != n else y
+        else:  # reference_linear's arithmetic on the shared quantization
+            w = dequantize(self.weight, self.weight_scale_inv, BLOCK).to(x.device)  # [N, K] fp32
+            y = (dequantize_act(x8, sx) @ w.t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*lead, n)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block=128x128"
