@@ -233,6 +233,11 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     # start-up phases (stages/train_startup.py) and each checkpoint's training stall (stages/train_ckpt_io.py)
     startup = next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(2).split(", ")}
                     for _, x in lines if (m := re.match(r"train: start-up(?: on rank \d+)? ([0-9.]+) s: (.*)", x))), None)
+    fit_parts = next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(1).split(", ")}
+                      for _, x in lines if (m := re.match(r"train: fit set-up(?: on rank \d+)? [0-9.]+ s: (.*)", x))),
+                     None)  # fit set-up's parts at Lightning's hooks
+    compiles = next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(1).split(", ") if " " in p}
+                     for _, x in lines if (m := re.match(r"train: compiles so far.*?: (.*)", x))), None)  # dynamo's timers
     stalls = [(m.group(1), float(m.group(2))) for _, x in lines
               if (m := re.match(r"train: checkpoint (\S+) written: training waited ([0-9.]+) s", x))]
     steady = None
@@ -248,7 +253,8 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     shutil.rmtree(run_dir, ignore_errors=True)  # a 27B-shape checkpoint is ~21 GB (fp32 weights + AdamW)
     return {"rc": rc, "gpus": gpus, "wall_s": time.time() - t0, "first_batch_s": first, "first_batch_per_rank_s": firsts,
             "steady_steps_s": steady, "steps": stamps[-1][1] if stamps else 0, "final_checkpoint_s": final,
-            "startup_phases_s": startup, "checkpoint_stalls_s": stalls, **bubbles, **recompiles(lines),
+            "startup_phases_s": startup, "fit_setup_parts_s": fit_parts, "first_batch_compiles_s": compiles,
+            "checkpoint_stalls_s": stalls, **bubbles, **recompiles(lines),
             "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at,
             "useful": kept, "profile": profile, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
@@ -343,6 +349,9 @@ def main() -> int:
               f"{end:>7.1f}{ex:>8.1f}{r['wall_s']:>8.0f}{max([s for _, s in r['checkpoint_stalls_s']], default=nan):>14.2f}")
         if r["startup_phases_s"]:
             print("    start-up: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup_phases_s"].items()))
+        for label, key in (("fit set-up", "fit_setup_parts_s"), ("compiles by the first batch", "first_batch_compiles_s")):
+            if r.get(key):
+                print(f"    {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in r[key].items()))
         print(f"    recompiles: {r['recompiles_by_step_1']} by the first step's line, {r['recompiles_after_step_1']} after it")
         if r.get("median_step_s") and keep is None:
             med_mfu = accum / r["median_step_s"] * flops / (a.peak_tflops * 1e12)

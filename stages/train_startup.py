@@ -7,6 +7,12 @@ launch and imports (interpreter, CLI, torch, config), store checks, Lightning im
 module's), compile cache and loaders, drafter (built on its device), trainer, frozen-head check wait (what the
 checksum thread had left), fit set-up (other ranks started, compile settings, optimizer, a resume's restore),
 first batch (its loading and compiling).
+
+Two phases are broken down further, each in a line of its own printed with the start-up line (issue 46: the
+remaining causes of the warm first batch): `SubPhases` splits fit set-up at Lightning's hooks (its environment
+and setup hooks; model, optimizer and a resume's restore up to on_fit_start; a sanity check; the loops and
+loaders up to on_train_start), and `compile_summary` splits the first batch's compile time by dynamo's own
+timers (torch._dynamo.utils.compile_times: tracing, the backend and its cache loads, guards).
 """
 
 from __future__ import annotations
@@ -51,3 +57,47 @@ class StartupPhases:
     def line(self, where: str = "") -> str:
         total = sum(s for _, s in self.phases)
         return f"train: start-up{where} {total:.1f} s: " + ", ".join(f"{n} {s:.1f}" for n, s in self.phases)
+
+
+class SubPhases:
+    """The parts of one phase: `mark(name)` ends the part called `name` (the first began at `start`); `line(phase)`
+    is `train: PHASE T s: part s, ...` (names without commas, as the start-up line's)."""
+
+    def __init__(self, start: float):
+        self.t = start
+        self.parts: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        now = time.time()
+        self.parts.append((name, max(0.0, now - self.t)))
+        self.t = now
+
+    def line(self, phase: str, where: str = "") -> str:
+        total = sum(s for _, s in self.parts)
+        return f"train: {phase}{where} {total:.1f} s: " + ", ".join(f"{n} {s:.1f}" for n, s in self.parts)
+
+
+# dynamo's timers (torch._dynamo.utils.compile_times) -> the names the line gives them; nested timers overlap
+COMPILE_TIMERS = (("_compile.compile_inner", "dynamo in all"), ("bytecode_tracing", "tracing"),
+                  ("OutputGraph.call_user_compiler", "backend"), ("fx_codegen_and_compile", "inductor"),
+                  ("PyCodeCache.load_by_key_path", "kernel loads"), ("async_compile.wait", "kernel compiles"),
+                  ("build_guards", "guards"))
+
+
+def compile_summary(times: dict[str, list[float]], frames: int | None = None, where: str = "") -> str:
+    """One line of the compile time so far from dynamo's timers ({name: [seconds, ...]}, as
+    `torch._dynamo.utils.compile_times(repr="csv")` gives them): the time under each of COMPILE_TIMERS present,
+    in seconds (nested: tracing and the backend are parts of dynamo's total, inductor a part of the backend)."""
+    parts = [f"{label} {sum(times[key]):.1f}" for key, label in COMPILE_TIMERS if key in times]
+    head = f"train: compiles so far{where}" + (f" ({frames} frames)" if frames is not None else "")
+    return f"{head}: " + (", ".join(parts) if parts else "none")
+
+
+def dynamo_times() -> tuple[dict[str, list[float]], int | None]:
+    """(dynamo's timers {name: [seconds per call]}, frames compiled) in this process; empty before any compile."""
+    import torch._dynamo.utils as du
+
+    names, values = du.compile_times(repr="csv")
+    times = {n: [float(v) for v in str(vs).split(",") if v.strip()] for n, vs in zip(names, values)}
+    frames = du.counters.get("stats", {}).get("unique_graphs")
+    return times, (int(frames) if frames is not None else None)

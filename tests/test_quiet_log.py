@@ -135,6 +135,28 @@ def test_a_real_dynamo_recompile_is_one_line_when_expected_and_the_whole_dump_wh
         torch._dynamo.reset()
 
 
+def test_the_first_batchs_compiles_are_summed_from_dynamos_timers():
+    """compile_summary: dynamo's own timers (compile_times), named; nested ones reported as they are."""
+    import torch
+
+    from stages.train_startup import SubPhases, compile_summary, dynamo_times
+
+    times = {"_compile.compile_inner": [2.0, 1.5], "bytecode_tracing": [0.5, 0.25], "build_guards": [0.1],
+             "gc": [0.01]}
+    assert compile_summary(times, 3) == "train: compiles so far (3 frames): dynamo in all 3.5, tracing 0.8, guards 0.1"
+    assert compile_summary({}, None, " on rank 1") == "train: compiles so far on rank 1: none"
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    f(torch.ones(3))
+    t, frames = dynamo_times()
+    assert sum(t["_compile.compile_inner"]) > 0 and frames == 1
+    assert compile_summary(t, frames).startswith("train: compiles so far (1 frames): dynamo in all ")
+    torch._dynamo.reset()
+    sub = SubPhases(0.0)
+    sub.parts = [("a b", 1.25), ("c", 0.5)]
+    assert sub.line("fit set-up", " on rank 0") == "train: fit set-up on rank 0 1.8 s: a b 1.2, c 0.5"
+
+
 @pytest.mark.slow
 def test_train_prints_only_its_own_lines(tiny_store, tmp_path):
     """Validation, step checkpoints, loader workers, the final checkpoint and the export: Lightning's banner,
@@ -146,6 +168,12 @@ def test_train_prints_only_its_own_lines(tiny_store, tmp_path):
     assert unexpected_lines(r.stderr) == [], r.stderr
     assert "train: drafter 0.44M parameters (dflash), on 1 CPU process(es), precision 32-true" in r.stderr
     assert re.search(r"train: first batch done .* s after start", r.stderr) and (run / "export").is_dir()
+    # the warm first batch's remaining causes (issue 46): fit set-up's parts and the compiles by the first batch
+    parts = re.search(r"^train: fit set-up ([0-9.]+) s: environment and setup hooks [0-9.]+, model optimizer and "
+                      r"restore [0-9.]+, (sanity check [0-9.]+, )?loops and loaders [0-9.]+$", r.stderr, re.M)
+    startup = re.search(r"^train: start-up [0-9.]+ s: .*fit set-up ([0-9.]+), first batch", r.stderr, re.M)
+    assert parts and startup and abs(float(parts.group(1)) - float(startup.group(1))) <= 0.11, r.stderr
+    assert re.search(r"^train: compiles so far( \(\d+ frames\))?: (none|dynamo in all [0-9.]+)", r.stderr, re.M), r.stderr
     assert r.stdout.strip() == ""  # Lightning's model summary table is gone too
     # checkpoints are written behind training, each saying how long training waited for it
     assert re.search(r"train: checkpoint step4\.ckpt written: training waited [0-9.]+ s", r.stderr), r.stderr
