@@ -10,7 +10,7 @@ Contract: `quantize(x)` with x [M, K] (K a multiple of 128, any float dtype, row
 exactly `fp8_block.quantize_act(x)`, bit for bit (tested on the GPU): s = max(amax |x| in fp32, 1e-10) / 448
 and x / s with IEEE division (`div_rn`: Triton's plain `/` is an approximate division), clamped to +-448 and
 cast to float8_e4m3fn rounding to nearest even; the scales float32 [M, K/128] stored outer-dim-major (stride
-(1, M)), the layout `torch._scaled_mm` takes. Triton is imported by this module alone, and only where the caller
+(1, M); a single row row-major), the layouts `torch._scaled_mm` takes. Triton is imported by this module alone, and only where the caller
 runs on CUDA (the CPU keeps `quantize_act`); `TRITON_INTERPRET=1` runs the kernel on CPU tensors.
 """
 
@@ -52,7 +52,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(1) != 1:
         x = x.contiguous()
     x8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    sx = torch.empty(k // GROUP, m, dtype=torch.float32, device=x.device).t()  # [M, G], stride (1, M)
+    # [M, G], stride (1, M): outer-dim-major; one row row-major, as quantize_act's (cuBLAS refuses stride (1, 1))
+    sx = (torch.empty(k // GROUP, m, dtype=torch.float32, device=x.device).t() if m > 1 else
+          torch.empty(1, k // GROUP, dtype=torch.float32, device=x.device))
     if m:
         grid = (triton.cdiv(m, BLOCK_M), k // GROUP)
         _quantize_kernel[grid](x, x8, sx, m, k, x.stride(0), BLOCK_M=BLOCK_M, GROUP=GROUP, FP8_MAX=FP8_MAX, EPS=EPS)

@@ -22,13 +22,13 @@ fp8_utils.py`: `per_token_group_quant_fp8` and `_w8a8_triton_block_scaled_mm`, a
 `reference_linear` is that arithmetic in plain torch: both operands dequantized exactly as rounded, one fp32
 matmul (the same sums in another order). `BlockFP8Linear` runs it through `torch._scaled_mm`'s block-scaled FP8
 GEMM on CUDA (activation scales float32 [M, K/128] stored outer-dim-major, stride (1, M); weight scales the
-transposed view of the contiguous [N/128, K/128] `weight_scale_inv`; an N that is not whole 128-blocks, the GDN's
-48-row in_proj_b/a, padded with zero rows), its activation quantization one Triton kernel
+transposed view of the contiguous [N/128, K/128] `weight_scale_inv`), its activation quantization one Triton kernel
 (pipeline/fp8_act_kernel.py) done once per input tensor and shared by the sibling linears that read it
-(`quantize_input`); on the CPU, or below compute capability 9.0, it runs `reference_linear`'s arithmetic.
+(`quantize_input`); on the CPU, below compute capability 9.0, or for an N that is not whole 128-blocks (the GDN's
+48-row in_proj_b/a), it runs `reference_linear`'s arithmetic.
 
 Contract: a linear runs in FP8 only when K is a multiple of 128 (the activation group) and its blocks are
-128 x 128 (any N); any other FP8 tensor is dequantized and its linear stays in the target's dtype (counted in the line
+128 x 128; any other FP8 tensor is dequantized and its linear stays in the target's dtype (counted in the line
 `describe` prints). Store provenance records the precision (`target.precision`): a store is never resumed
 with features of another precision.
 """
@@ -84,9 +84,10 @@ def quantize_act(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] (K a multiple of 128) -> (x8 [M, K] float8_e4m3fn, sx [M, K/128] fp32 with stride (1, M))."""
     m, k = x.shape
     xg = x.float().reshape(m, k // GROUP, GROUP)  # [M, G, 128]
-    s = xg.abs().amax(dim=-1).clamp(min=EPS) / FP8_MAX  # [M, G]
+    amax = xg.abs().amax(dim=-1).clamp(min=EPS)  # [M, G]
+    s = amax / torch.full_like(amax, FP8_MAX)  # an IEEE division (a tensor / a number is x * (1/448) on CUDA)
     x8 = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, k)
-    return x8, s.t().contiguous().t()  # the scales outer-dim-major, as _scaled_mm takes them
+    return x8, s.t().contiguous().t()  # the scales outer-dim-major, as _scaled_mm takes them (one row: row-major)
 
 
 def dequantize_act(x8: Tensor, sx: Tensor) -> Tensor:
@@ -134,23 +135,12 @@ def quantize_input(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def kernel_takes(w8: Tensor, device: torch.device) -> bool:
-    """Whether torch._scaled_mm's block-scaled GEMM runs this weight here: CUDA on compute capability 9.0+, K whole
-    blocks of 128 (an N that is not is padded to whole blocks: `BlockFP8Linear`)."""
+    """Whether torch._scaled_mm's block-scaled GEMM runs this weight here: CUDA on compute capability 9.0+, the
+    weight's dimensions whole blocks of 128 (the GDN's 48-row in_proj_b/a are not: `BlockFP8Linear` runs them
+    on reference_linear's arithmetic, their weight dequantized once)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and w8.shape[1] % GROUP == 0
-
-
-def _padded_rows(w8: Tensor) -> Tensor:
-    """w8 [N, K] with zero rows up to whole 128-blocks of N (the kernel's tiles; the GDN's in_proj_b/a have N = 48).
-    Its scale rows are already ceil(N/128): the padded rows read the last block's scale and give zeros, sliced
-    off after the GEMM, so the outputs of the N real rows are those of the engines' masked tiles."""
-    n, k = w8.shape
-    if n % GROUP == 0:
-        return w8
-    out = torch.zeros(-(-n // GROUP) * GROUP, k, dtype=torch.uint8, device=w8.device)
-    out[:n].copy_(w8.view(torch.uint8))
-    return out.view(FP8)
+    return torch.cuda.get_device_capability(device) >= (9, 0) and w8.shape[0] % GROUP == 0 and w8.shape[1] % GROUP == 0
 
 
 class BlockFP8Linear(nn.Module):
@@ -167,7 +157,7 @@ class BlockFP8Linear(nn.Module):
         self.register_buffer("weight_scale_inv", scale_inv.float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._kernel: Optional[bool] = None
-        self._w_kernel: Optional[Tensor] = None  # the weight as the kernel takes it: rows padded to whole blocks
+        self._w32: Optional[Tensor] = None  # off the kernel on CUDA: the dequantized weight, [N, K] fp32, made once
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., K] -> [..., N]
         if self._kernel is None:
@@ -175,13 +165,13 @@ class BlockFP8Linear(nn.Module):
         lead, n = x.shape[:-1], self.out_features
         x8, sx = quantize_input(x)  # [M, K] fp8, [M, K/128] fp32 stride (1, M); shared with sibling linears
         if self._kernel:
-            if self._w_kernel is None or self._w_kernel.device != x.device:
-                self._w_kernel = _padded_rows(self.weight)  # [ceil(N/128) * 128, K]
-            y = torch._scaled_mm(x8, self._w_kernel.t(), scale_a=sx, scale_b=self.weight_scale_inv.t(),
-                                 out_dtype=x.dtype)  # [M, N padded], fp32 accumulation
-            y = y[:, :n] if y.shape[1] != n else y
+            y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale_inv.t(),
+                                 out_dtype=x.dtype)  # [M, N], fp32 accumulation
         else:  # reference_linear's arithmetic on the shared quantization
-            w = dequantize(self.weight, self.weight_scale_inv, BLOCK).to(x.device)  # [N, K] fp32
+            w = self._w32 if self._w32 is not None and self._w32.device == x.device else \
+                dequantize(self.weight, self.weight_scale_inv, BLOCK).to(x.device)  # [N, K] fp32
+            if x.is_cuda:  # the GDN's in_proj_b/a: small, called every layer
+                self._w32 = w
             y = (dequantize_act(x8, sx) @ w.t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias

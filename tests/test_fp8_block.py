@@ -281,9 +281,17 @@ def test_block_fp8_linear_on_the_gpu_equals_the_reference():
     assert float((mod(one).float() - ref1).norm() / ref1.norm()) < 1e-2
     odd = fb.BlockFP8Linear(*quantize(torch.randn(48, 256, device="cuda") * 0.02, (128, 128))).cuda()
     xo = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    yo, refo = odd(xo), fb.reference_linear(xo.float(), odd.weight, odd.weight_scale_inv)
-    assert odd._kernel is True and yo.shape == (5, 48)  # the GDN's in_proj_b/a: rows padded to a block
-    assert float((yo.float() - refo).norm() / refo.norm()) < 1e-2
+    assert torch.equal(odd(xo), fb.reference_linear(xo, odd.weight, odd.weight_scale_inv)) and odd._kernel is False
+    # the decoder's shapes at hidden 1024 (q with its gate, k/v, o, the GDN's in_proj_qkv/z and out_proj, gate/up,
+    # down) and one block of N; a decode step's row, a verify block's rows, a prefill's
+    for n, k in ((12288, 1024), (1024, 1024), (1024, 6144), (10240, 1024), (6144, 1024), (3072, 1024),
+                 (1024, 3072), (128, 256)):
+        lin = fb.BlockFP8Linear(*quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, (128, 128))).cuda()
+        for m in (1, 16, 1200):
+            xs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            ref = fb.reference_linear(xs.float(), lin.weight, lin.weight_scale_inv)
+            err = float((lin(xs).float() - ref).norm() / ref.norm())
+            assert lin._kernel is True and err < 1e-2, (n, k, m, err)
 
 
 @pytest.mark.gpu
@@ -298,7 +306,7 @@ def test_the_triton_activation_quantization_equals_quantize_act_to_the_bit():
         x[0, 128:256] = 0.0
         a8, sa = fp8_act_kernel.quantize(x)
         b8, sb = fb.quantize_act(x)
-        assert sa.stride() == sb.stride() == (1, m) and torch.equal(sa, sb), (m, k, dt)
+        assert sa.stride() == sb.stride() == ((1, m) if m > 1 else (k // 128, 1)) and torch.equal(sa, sb), (m, k, dt)
         assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)), (m, k, dt)
     wide = torch.randn(64, 1024, device="cuda", generator=g, dtype=torch.bfloat16)[:, 256:768]  # rows of stride 1024
     a8, sa = fp8_act_kernel.quantize(wide)
@@ -309,8 +317,8 @@ def test_the_triton_activation_quantization_equals_quantize_act_to_the_bit():
 @pytest.mark.gpu
 def test_the_hybrids_tap_features_in_fp8_on_the_gpu_equal_the_reference_arithmetic():
     """The real head counts at hidden 1024 (8 layers, both layer types twice), bf16, fla's fast forward, every decoder
-    linear quantized as fp8-block-from-bf16 makes it: the GPU path (the Triton quantization shared by siblings, the
-    48-row in_proj_b/a padded, torch._scaled_mm) against the same model with each FP8 linear on reference_linear's
+    linear quantized as fp8-block-from-bf16 makes it: the GPU path (the Triton quantization shared by siblings,
+    torch._scaled_mm; the 48-row in_proj_b/a on the reference arithmetic) against the same model with each FP8 linear on reference_linear's
     arithmetic, per tap layer. Their difference (GEMM summation order, bf16 outputs) must be far below the FP8 drift
     itself (the same model with bf16 GEMMs)."""
     pytest.importorskip("fla.ops.gated_delta_rule", reason="flash-linear-attention (fla-core) not installed")
@@ -328,7 +336,7 @@ def test_the_hybrids_tap_features_in_fp8_on_the_gpu_equal_the_reference_arithmet
         fp8 = [m for m in model.modules() if isinstance(m, fb.BlockFP8Linear)]
         assert n == len(fp8) and any(m.out_features % 128 for m in fp8)  # in_proj_b/a: 48 rows
         got = _features(model, ids, att)
-        assert all(m._kernel is True for m in fp8)
+        assert all(m._kernel is (m.out_features % 128 == 0) for m in fp8)
         for m in fp8:
             m._kernel = False
         ref = _features(model, ids, att)
