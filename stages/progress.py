@@ -56,6 +56,8 @@ class ProgressLines(L.Callback):
     def on_train_start(self, trainer, pl_module):
         if self.phases is not None and self.first_step_s is None:
             if self.fit_parts is not None:
+                for name, secs in getattr(pl_module, "fit_start_parts", []):  # the module's on_fit_start (after ours)
+                    self.fit_parts.took(name, secs)
                 self.fit_parts.mark("loops and loaders")
             self.phases.mark("fit set-up")  # ranks started, compile settings, optimizer, a resume's restore
         self.t0, self.step0, self.tokens = time.time(), trainer.global_step, 0.0

@@ -10,8 +10,9 @@ first batch (its loading and compiling).
 
 Two phases are broken down further, each in a line of its own printed with the start-up line (issue 46: the
 remaining causes of the warm first batch): `SubPhases` splits fit set-up at Lightning's hooks (its environment
-and setup hooks; model, optimizer and a resume's restore up to on_fit_start; a sanity check; the loops and
-loaders up to on_train_start), and `compile_summary` splits the first batch's compile time by dynamo's own
+and setup hooks; model, optimizer and a resume's restore up to on_fit_start; the training module's on_fit_start:
+the frozen head to the device, the compile set-up; a sanity check; the loops and loaders up to on_train_start),
+and `compile_summary` splits the first batch's compile time by dynamo's own
 timers (torch._dynamo.utils.compile_times: tracing, the backend and its cache loads, guards).
 """
 
@@ -71,6 +72,12 @@ class SubPhases:
         now = time.time()
         self.parts.append((name, max(0.0, now - self.t)))
         self.t = now
+
+    def took(self, name: str, seconds: float) -> None:
+        """A part timed elsewhere (a hook of the module, which runs inside another part): counted here, and no
+        longer in the part that holds it."""
+        self.parts.append((name, max(0.0, seconds)))
+        self.t += max(0.0, seconds)
 
     def line(self, phase: str, where: str = "") -> str:
         total = sum(s for _, s in self.parts)

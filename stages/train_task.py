@@ -103,7 +103,10 @@ class DrafterTask(L.LightningModule):
         self._embed, self._head = load_frozen_head(self.head_path, self.device, dtype)  # checked by stages.train
 
     def on_fit_start(self) -> None:
+        t0 = time.time()
         self._load_head()
+        self.fit_start_parts = [("frozen head to the device", time.time() - t0)]  # stages/progress.py's line
+        t0 = time.time()
         mode = self.cfg.train.compile
         if mode == "on" or (mode == "auto" and self.device.type == "cuda"):
             from pipeline.compile_setup import prepare_compile
@@ -121,6 +124,7 @@ class DrafterTask(L.LightningModule):
             prepare_compile(limit=16, dynamic=dynamic)  # and Inductor workarounds (pipeline/compile_setup.py)
             set_dynamic_shapes(dynamic)
             self.drafter.compile_layers(dynamic=dynamic)  # regional compilation (see DFlashDrafter.compile_layers)
+        self.fit_start_parts.append(("compile set-up", time.time() - t0))
 
     def on_train_start(self) -> None:  # after the checkpoint's states are restored
         self._fit_started = time.time()

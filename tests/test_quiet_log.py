@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,10 @@ def test_the_first_batchs_compiles_are_summed_from_dynamos_timers():
     sub = SubPhases(0.0)
     sub.parts = [("a b", 1.25), ("c", 0.5)]
     assert sub.line("fit set-up", " on rank 0") == "train: fit set-up on rank 0 1.8 s: a b 1.2, c 0.5"
+    sub.t = time.time() - 3.0  # 3 s since the last mark, 2 of them in a part timed elsewhere
+    sub.took("inner", 2.0)
+    sub.mark("rest")
+    assert sub.parts[2] == ("inner", 2.0) and 0.9 < sub.parts[3][1] < 1.5
 
 
 @pytest.mark.slow
@@ -170,7 +175,8 @@ def test_train_prints_only_its_own_lines(tiny_store, tmp_path):
     assert re.search(r"train: first batch done .* s after start", r.stderr) and (run / "export").is_dir()
     # the warm first batch's remaining causes (issue 46): fit set-up's parts and the compiles by the first batch
     parts = re.search(r"^train: fit set-up ([0-9.]+) s: environment and setup hooks [0-9.]+, model optimizer and "
-                      r"restore [0-9.]+, (sanity check [0-9.]+, )?loops and loaders [0-9.]+$", r.stderr, re.M)
+                      r"restore [0-9.]+, frozen head to the device [0-9.]+, compile set-up [0-9.]+, (sanity check "
+                      r"[0-9.]+, )?loops and loaders [0-9.]+$", r.stderr, re.M)
     startup = re.search(r"^train: start-up [0-9.]+ s: .*fit set-up ([0-9.]+), first batch", r.stderr, re.M)
     assert parts and startup and abs(float(parts.group(1)) - float(startup.group(1))) <= 0.11, r.stderr
     assert re.search(r"^train: compiles so far( \(\d+ frames\))?: (none|dynamo in all [0-9.]+)", r.stderr, re.M), r.stderr
