@@ -56,10 +56,10 @@ SAMPLE_BYTES = 21  # sample_start int64 + sample_length int32 + sample_id uint64
 RATE_27B_H200 = 11398
 RATE_27B_H200_REFERENCE = 8977
 RATE_27B_H200_NO_FLA = 6413
-# extract.target_precision fp8-block: the block-FP8 fast forward's bare rate, 12,541 (issue 45, 2026-12-04 20:22,
-# docs/benchmarks.md), times the share of its bare forward bf16 extraction keeps (11,398 / 12,101): extraction in
-# fp8-block itself is not measured yet
-RATE_27B_H200_FP8_BLOCK = round(12541 * RATE_27B_H200 / 12101)
+# extract.target_precision fp8-block: int5 extraction with the block-FP8 GEMMs, 15,931 tokens/s over 8 batches with
+# the final drain (issue 45, 2026-12-06, docs/benchmarks.md; an H100, whose bf16 fast forward ran within 1.5% of the
+# H200's), less the GDN's in_proj_b/a on the reference arithmetic since (+45 ms on a 942.8 ms pass)
+RATE_27B_H200_FP8_BLOCK = round(15931 * 942.8 / (942.8 + 45))
 WEIGHT_BYTES_27B = 27e9 * 2  # bf16 weights of the 27B class, the reference for scaling by size
 NODE_GPUS_NO_GPU = 8  # `dflash extract --plan` on a machine without a GPU: the node assumed (8 x H200)
 
@@ -122,8 +122,8 @@ def estimate_time(tokens: int, gpus: int, weight_bytes: Optional[float], cuda: b
     how = ("dflash's fast forward (measured 2026-12-02" if fast_forward else
            "transformers' forward (extract.fast_forward off; measured 2026-11-30")
     if fp8_block and fast_forward:
-        rate, how = RATE_27B_H200_FP8_BLOCK, ("dflash's fast forward in block FP8 (extract.target_precision: its bare "
-                                              "forward measured 2026-12-04, times bf16 extraction's share of its own")
+        rate, how = RATE_27B_H200_FP8_BLOCK, ("dflash's fast forward in block FP8 (extract.target_precision: "
+                                              "measured 2026-12-06 on an H100")
     src = (("no GPU here, so the built-in H200 rates: " if not cuda else "")
            + f"{rate:,} tokens/s per H200 for the Qwen3.5/3.6-27B hybrid with flash-linear-attention and {how}"
            + f"; {RATE_27B_H200_NO_FLA:,} on torch fallbacks)")

@@ -283,12 +283,15 @@ def test_block_fp8_linear_on_the_gpu_equals_the_reference():
     xo = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16, generator=g)
     assert torch.equal(odd(xo), fb.reference_linear(xo, odd.weight, odd.weight_scale_inv)) and odd._kernel is False
     # the decoder's shapes at hidden 1024 (q with its gate, k/v, o, the GDN's in_proj_qkv/z and out_proj, gate/up,
-    # down) and one block of N; a decode step's row, a verify block's rows, a prefill's
+    # down) and one block of N; a decode step's row, a verify block's rows, a prefill's. Heavy-tailed values (cubed,
+    # as torch's own block-scaling tests make them): every token, group and block gets its own scale, so a scale
+    # read from the wrong place shows (with randn the scales are all alike and it would not)
     for n, k in ((12288, 1024), (1024, 1024), (1024, 6144), (10240, 1024), (6144, 1024), (3072, 1024),
                  (1024, 3072), (128, 256)):
-        lin = fb.BlockFP8Linear(*quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, (128, 128))).cuda()
-        for m in (1, 16, 1200):
-            xs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, k, device="cuda", generator=g).pow(3) * 0.02
+        lin = fb.BlockFP8Linear(*quantize(w, (128, 128))).cuda()
+        for m in (1, 5, 16, 1200):
+            xs = torch.randn(m, k, device="cuda", generator=g).pow(3).to(torch.bfloat16)
             ref = fb.reference_linear(xs.float(), lin.weight, lin.weight_scale_inv)
             err = float((lin(xs).float() - ref).norm() / ref.norm())
             assert lin._kernel is True and err < 1e-2, (n, k, m, err)
@@ -312,6 +315,10 @@ def test_the_triton_activation_quantization_equals_quantize_act_to_the_bit():
     a8, sa = fp8_act_kernel.quantize(wide)
     b8, sb = fb.quantize_act(wide)
     assert torch.equal(sa, sb) and torch.equal(a8.view(torch.uint8), b8.view(torch.uint8))
+    p8, sp = fp8_act_kernel.quantize(wide[:37], pad_rows=16)  # the rows the GEMM takes: zeros after the real ones
+    assert p8.shape == (48, 512) and sp.shape == (48, 4) and sp.stride() == (1, 48)
+    assert torch.equal(p8[:37].view(torch.uint8), b8[:37].view(torch.uint8)) and torch.equal(sp[:37], sb[:37])
+    assert not p8[37:].view(torch.uint8).any()
 
 
 @pytest.mark.gpu
