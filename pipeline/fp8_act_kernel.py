@@ -7,11 +7,12 @@ amax, writes the FP8 tile and the row scales: one pass over x, as vLLM's `_per_t
 (vllm/model_executor/layers/quantization/utils/fp8_utils.py; SGLang's fp8_kernel.py, from which it is adapted).
 
 Contract: `quantize(x)` with x [M, K] (K a multiple of 128, any float dtype, rows of unit stride) on CUDA returns
-exactly `fp8_block.quantize_act(x)`, bit for bit (tested on the GPU; `pad_rows` adds zero rows after them): s = max(amax |x| in fp32, 1e-10) / 448
-and x / s with IEEE division (`div_rn`: Triton's plain `/` is an approximate division), clamped to +-448 and
-cast to float8_e4m3fn rounding to nearest even; the scales float32 [M, K/128] stored outer-dim-major (stride
-(1, M); a single row row-major), the layouts `torch._scaled_mm` takes. Triton is imported by this module alone, and only where the caller
-runs on CUDA (the CPU keeps `quantize_act`); `TRITON_INTERPRET=1` runs the kernel on CPU tensors.
+exactly `fp8_block.quantize_act(x)`, bit for bit (tested on the GPU; `pad_rows` adds zero rows after them):
+s = max(amax |x| in fp32, 1e-10) / 448 and x / s with IEEE division (`div_rn`: Triton's plain `/` is an
+approximate division), clamped to +-448 and cast to float8_e4m3fn rounding to nearest even; the scales float32
+[M, K/128] stored outer-dim-major (stride (1, M); a single row row-major), the layouts `torch._scaled_mm` takes.
+Triton is imported by this module alone, and only where the caller runs on CUDA (the CPU keeps `quantize_act`);
+`TRITON_INTERPRET=1` runs the kernel on CPU tensors.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ GROUP = 128  # activation channels per scale: the engines' group size, and the w
 BLOCK = (GROUP, GROUP)
 EPS = 1e-10  # the engines' floor on a group's amax (an all-zero group gets a tiny scale, not a division by zero)
 SMALL_WEIGHT = 1 << 22  # off the kernel on CUDA, a weight up to this many elements keeps its fp32 dequantization
-KERNEL_ROWS = 16  # torch._scaled_mm's rows padded to a multiple of this (one row was refused: CUBLAS_STATUS_NOT_SUPPORTED)
+KERNEL_ROWS = 16  # torch._scaled_mm's rows padded to a multiple of this (cuBLAS refused one row)
 PRECISIONS = ("auto", "bf16", "fp8-block", "fp8-block-from-bf16")
 FP8_PRECISIONS = ("fp8-block", "fp8-block-from-bf16")
 
@@ -115,7 +115,7 @@ def reference_linear(x: Tensor, w8: Tensor, scale_inv: Tensor, bias: Optional[Te
     return y.reshape(*lead, w8.shape[0])
 
 
-_SHARED = threading.local()  # the last input quantized on this thread: (weakref to it, its version, (x8, sx))
+_SHARED = threading.local()  # the last input quantized on this thread: (weakref, version, (x8, sx), {its fp32})
 
 
 def _version(x: Tensor) -> Optional[int]:
@@ -124,8 +124,8 @@ def _version(x: Tensor) -> Optional[int]:
 
 def quantize_input(x: Tensor) -> tuple[Tensor, Tensor]:
     """quantize_act(x [..., K] as [M, K]), once per input tensor (on CUDA with zero rows after the M real ones, up
-    to a multiple of KERNEL_ROWS): sibling linears that read the same tensor one
-    after another (q/k/v, gate/up, the GDN's four input projections) share one quantization. The last input is
+    to a multiple of KERNEL_ROWS): sibling linears that read the same tensor one after another (q/k/v, gate/up,
+    the GDN's four input projections) share one quantization. The last input is
     held by a weak reference (its quantization lives no longer than it, per thread), and a tensor changed in
     place since (its version counter; tensors made under inference mode keep none) is quantized again. On CUDA
     one Triton kernel (pipeline/fp8_act_kernel.py), elsewhere the plain torch of `quantize_act`."""
@@ -188,7 +188,7 @@ class BlockFP8Linear(nn.Module):
         if self._kernel:
             y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale_inv.t(),
                                  out_dtype=x.dtype)  # [M', N], fp32 accumulation
-            y = y[:m] if y.shape[0] != m else y
+            y = y[:m]  # the real rows
         else:  # reference_linear's arithmetic on the shared quantization
             w = self._w32 if self._w32 is not None and self._w32.device == x.device else \
                 dequantize(self.weight, self.weight_scale_inv, BLOCK).to(x.device)  # [N, K] fp32

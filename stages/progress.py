@@ -23,7 +23,7 @@ import torch
 
 import lightning as L
 
-from stages.train_startup import (StartupPhases, SubPhases, compile_summary, dynamo_times,  # noqa: F401
+from stages.train_startup import (StartupPhases, compile_summary, dynamo_times,  # noqa: F401
                                   process_start_time)  # (process_start_time: callers here)
 
 
@@ -38,11 +38,11 @@ class ProgressLines(L.Callback):
         self.last_line: int | None = None
         self.done_at: float | None = None  # when fit's last step ended (on_train_end)
         self.after_first: tuple[float, int, float] | None = None  # (time, step, tokens) at the first batch's end
-        self.fit_parts: SubPhases | None = None  # fit set-up's parts (stages/train_startup.py)
+        self.fit_parts: StartupPhases | None = None  # fit set-up's parts (stages/train_startup.py)
 
     def setup(self, trainer, pl_module, stage):
         if self.phases is not None and self.first_step_s is None:  # fit set-up's parts, at Lightning's hooks
-            self.fit_parts = SubPhases(self.phases.t)
+            self.fit_parts = StartupPhases(self.phases.t)
             self.fit_parts.mark("environment and setup hooks")
 
     def on_fit_start(self, trainer, pl_module):
@@ -73,8 +73,8 @@ class ProgressLines(L.Callback):
             if self.phases is not None:
                 self.phases.mark("first batch")  # its loading and compiling
                 text += self.phases.line(where) + "\n"
-                if self.fit_parts is not None and self.fit_parts.parts:
-                    text += self.fit_parts.line("fit set-up", where) + "\n"
+                if self.fit_parts is not None and self.fit_parts.phases:
+                    text += self.fit_parts.line(where, "fit set-up") + "\n"
                 text += compile_summary(*dynamo_times(), where=where) + "\n"  # the first batch's compiles
             sys.stderr.write(text)  # one write: under DDP another rank's line cannot land inside it
             sys.stderr.flush()

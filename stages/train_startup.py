@@ -9,10 +9,10 @@ checksum thread had left), fit set-up (other ranks started, compile settings, op
 first batch (its loading and compiling).
 
 Two phases are broken down further, each in a line of its own printed with the start-up line (issue 46: the
-remaining causes of the warm first batch): `SubPhases` splits fit set-up at Lightning's hooks (its environment
-and setup hooks; model, optimizer and a resume's restore up to on_fit_start; the training module's on_fit_start:
-the frozen head to the device, the compile set-up; a sanity check; the loops and loaders up to on_train_start),
-and `compile_summary` splits the first batch's compile time by dynamo's own
+remaining causes of the warm first batch): a second `StartupPhases` splits fit set-up at Lightning's hooks (its
+environment and setup hooks; model, optimizer and a resume's restore up to on_fit_start; the training module's
+on_fit_start: the frozen head to the device, the compile set-up; a sanity check; the loops and loaders up to
+on_train_start), and `compile_summary` splits the first batch's compile time by dynamo's own
 timers (torch._dynamo.utils.compile_times: tracing, the backend and its cache loads, guards).
 """
 
@@ -44,7 +44,8 @@ def begin() -> None:
 
 class StartupPhases:
     """`mark(name)` ends the phase called `name` (it began where the last one ended, the first at the process's
-    start); `line()` is the start-up line: the total and each phase's seconds."""
+    start, or at `started`); `line()` is the start-up line: the total and each phase's seconds. Also the parts of
+    one phase (fit set-up's: `line(where, "fit set-up")`)."""
 
     def __init__(self, started: float | None = None):
         self.t = started if started is not None else _begun if _begun is not None else process_start_time()
@@ -55,33 +56,16 @@ class StartupPhases:
         self.phases.append((name, max(0.0, now - self.t)))
         self.t = now
 
-    def line(self, where: str = "") -> str:
-        total = sum(s for _, s in self.phases)
-        return f"train: start-up{where} {total:.1f} s: " + ", ".join(f"{n} {s:.1f}" for n, s in self.phases)
-
-
-class SubPhases:
-    """The parts of one phase: `mark(name)` ends the part called `name` (the first began at `start`); `line(phase)`
-    is `train: PHASE T s: part s, ...` (names without commas, as the start-up line's)."""
-
-    def __init__(self, start: float):
-        self.t = start
-        self.parts: list[tuple[str, float]] = []
-
-    def mark(self, name: str) -> None:
-        now = time.time()
-        self.parts.append((name, max(0.0, now - self.t)))
-        self.t = now
-
     def took(self, name: str, seconds: float) -> None:
-        """A part timed elsewhere (a hook of the module, which runs inside another part): counted here, and no
-        longer in the part that holds it."""
-        self.parts.append((name, max(0.0, seconds)))
+        """A phase timed elsewhere (a hook of the module, which runs inside another phase): counted here, and no
+        longer in the phase that holds it."""
+        self.phases.append((name, max(0.0, seconds)))
         self.t += max(0.0, seconds)
 
-    def line(self, phase: str, where: str = "") -> str:
-        total = sum(s for _, s in self.parts)
-        return f"train: {phase}{where} {total:.1f} s: " + ", ".join(f"{n} {s:.1f}" for n, s in self.parts)
+    def line(self, where: str = "", phase: str = "start-up") -> str:
+        """`train: PHASE T s: name s, ...` (names without commas: benches parse the line)."""
+        total = sum(s for _, s in self.phases)
+        return f"train: {phase}{where} {total:.1f} s: " + ", ".join(f"{n} {s:.1f}" for n, s in self.phases)
 
 
 # dynamo's timers (torch._dynamo.utils.compile_times) -> the names the line gives them; nested timers overlap

@@ -140,7 +140,7 @@ def test_the_first_batchs_compiles_are_summed_from_dynamos_timers():
     """compile_summary: dynamo's own timers (compile_times), named; nested ones reported as they are."""
     import torch
 
-    from stages.train_startup import SubPhases, compile_summary, dynamo_times
+    from stages.train_startup import StartupPhases, compile_summary, dynamo_times
 
     times = {"_compile.compile_inner": [2.0, 1.5], "bytecode_tracing": [0.5, 0.25], "build_guards": [0.1],
              "gc": [0.01]}
@@ -154,13 +154,13 @@ def test_the_first_batchs_compiles_are_summed_from_dynamos_timers():
     assert sum(t["_compile.compile_inner"]) > 0 and frames == before + 1
     assert compile_summary(t, frames).startswith(f"train: compiles so far ({frames} frames): dynamo in all ")
     torch._dynamo.reset()
-    sub = SubPhases(0.0)
-    sub.parts = [("a b", 1.25), ("c", 0.5)]
-    assert sub.line("fit set-up", " on rank 0") == "train: fit set-up on rank 0 1.8 s: a b 1.2, c 0.5"
+    sub = StartupPhases(0.0)
+    sub.phases = [("a b", 1.25), ("c", 0.5)]
+    assert sub.line(" on rank 0", "fit set-up") == "train: fit set-up on rank 0 1.8 s: a b 1.2, c 0.5"
     sub.t = time.time() - 3.0  # 3 s since the last mark, 2 of them in a part timed elsewhere
     sub.took("inner", 2.0)
     sub.mark("rest")
-    assert sub.parts[2] == ("inner", 2.0) and 0.9 < sub.parts[3][1] < 1.5
+    assert sub.phases[2] == ("inner", 2.0) and 0.9 < sub.phases[3][1] < 1.5
 
 
 @pytest.mark.slow
