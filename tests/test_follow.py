@@ -112,7 +112,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from helpers_cli import HANG_S  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -182,7 +182,7 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
     train = ["train", "--follow", "--devices", "2", "--config", TINY, "--store", store, "--no-export",
              "--set", f"train.run_dir={run}", "--set", "train.num_workers=1", "--set", "train.batch_size=8",
              "--set", "train.epochs=3", "--set", "train.checkpoint_every=4", "--set", "train.log_every=1",
-             "--set", "train.follow_buffer=0"]  # no shuffle buffer: epoch 0 is the stream's own order
+             "--set", "train.follow_buffer=0", *FEW_ANCHORS]  # no shuffle buffer: epoch 0 is the stream's own order
     if packing:
         train += ["--set", "train.packing=true", "--set", "train.pack_tokens=512"]
     x = _cli(*extract, env=slow)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_cli import HANG_S
+from helpers_cli import FEW_ANCHORS, HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -39,7 +39,7 @@ def store(tiny_store):
 def _args(store, run, *extra):
     return ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}", "--set", "train.num_workers=1",
             "--set", "train.epochs=2", "--set", "train.checkpoint_every=3", "--set", "train.log_every=1",
-            "--set", "train.val_every=5", "--no-export", *extra]
+            "--set", "train.val_every=5", "--no-export", *FEW_ANCHORS, *extra]
 
 
 def _run(args, check=True):

@@ -17,7 +17,7 @@ import pytest
 from pipeline import store as st
 from stages.run import RunError, parse_gpus
 
-from helpers_cli import HANG_S  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG = HANG_S  # a hang guard only (tests/helpers_cli.py): no assertion depends on speed
@@ -40,7 +40,7 @@ def _lines(run: Path) -> list[dict]:
 def test_run_stops_both_stages_on_one_ctrl_c_and_the_same_command_continues_both(tmp_path):
     store, run = tmp_path / "store.zarr", tmp_path / "run"
     cmd = [sys.executable, "-m", "stages.cli", "run", "--store", str(store), "--set", f"train.run_dir={run}",
-           "--set", "data.max_samples=240", "--set", "extract.token_budget=512", "--set", "train.epochs=2",
+           "--set", "data.max_samples=240", "--set", "extract.token_budget=512", "--set", "train.epochs=2", *FEW_ANCHORS,
            "--set", "train.num_workers=1", "--set", "train.batch_size=8", "--set", "train.checkpoint_every=3", "--set", "train.log_every=1",
            "--set", "train.follow_buffer=16", "--no-expand"]  # the split kept (expansion: tests/test_run_expand.py)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1", "DFLASH_TEST_EXTRACT_DELAY": "2"}

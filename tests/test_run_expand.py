@@ -24,7 +24,7 @@ from helpers_cli import HANG_S, ROOT
 from pipeline.ckpt_io import load_training_checkpoint
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1"}
-SETS = ["data.max_samples=32", "extract.shards=1", "extract.token_budget=512", "train.epochs=2",
+SETS = ["data.max_samples=32", "extract.shards=1", "extract.token_budget=512", "train.epochs=2", "train.num_anchors=8",
         "train.num_workers=0", "train.batch_size=4", "train.accumulate_grad_batches=2", "train.follow_buffer=8",
         "train.val_every=1000", "train.lr=0.01"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_cli import HANG_S, dflash  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S, dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -112,7 +112,7 @@ def test_one_progress_line_per_step_and_one_checkpoint_file(tiny_store, tmp_path
 def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
     run = tmp_path / "run"
     args = [sys.executable, "-m", "stages.cli", *_train_args(tiny_store, run, "--set", "train.checkpoint_every=5",
-                                                               "--set", "train.epochs=2", "--no-export")]
+                                                               "--set", "train.epochs=2", "--no-export", *FEW_ANCHORS)]
     p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ckpts = run / "checkpoints"
