@@ -82,8 +82,8 @@ def resolve(choice: str, block: Optional[tuple[int, int]], path: str,
 
 
 # what the GPU path's tests last showed (docs/benchmarks.md); said with every fp8-block run until they pass
-GPU_CAVEAT = ("the hybrid's first-layer features differed by 4.3% from the reference arithmetic in the GPU test of "
-              "2026-12-06, issue 45")
+GPU_CAVEAT = ("its per-linear GPU test has not run yet; the whole-model test of 2026-12-06 differed 4.3% at layer 0, "
+              "of the size two correct FP8 forwards differ by when only their summation order does, issue 45")
 
 
 # ---- the numerics ----------------------------------------------------------------------------------------------
@@ -157,10 +157,14 @@ def _dequantized_input(x8: Tensor, sx: Tensor) -> Tensor:
 def kernel_takes(w8: Tensor, device: torch.device) -> bool:
     """Whether torch._scaled_mm's block-scaled GEMM runs this weight here: CUDA on compute capability 9.0+, the
     weight's dimensions whole blocks of 128 (the GDN's 48-row in_proj_b/a are not: `BlockFP8Linear` runs them
-    on reference_linear's arithmetic, their weight dequantized once)."""
+    on reference_linear's arithmetic, their weight dequantized once), and K/128 a multiple of 4: cuBLAS reads
+    128 x 128 scales with a leading dimension rounded up to 4 K-blocks (torch's block-scaling tests pad them so),
+    and the release's unpadded `weight_scale_inv` is that layout only then (every K of Qwen3.5/3.6-27B is)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and w8.shape[0] % GROUP == 0 and w8.shape[1] % GROUP == 0
+    n, k = w8.shape
+    return (torch.cuda.get_device_capability(device) >= (9, 0) and n % GROUP == 0 and k % GROUP == 0
+            and (k // GROUP) % 4 == 0)
 
 
 class BlockFP8Linear(nn.Module):

@@ -80,6 +80,20 @@ def test_block_fp8_linear_keeps_the_release_bytes_and_runs_the_reference_on_the_
         fb.BlockFP8Linear(quantize(torch.randn(8, 100))[0], torch.ones(1, 1))
 
 
+def test_the_gemm_kernel_takes_only_weights_whose_scales_cublas_reads_as_stored(monkeypatch):
+    """cuBLAS reads 128 x 128 scales K-block-major with the K blocks rounded up to 4; a release's weight_scale_inv is
+    that only when K/128 is a multiple of 4 (every K of Qwen3.5/3.6-27B), else its linear runs the reference."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    w8 = lambda n, k: torch.zeros(n, k, dtype=FP8)  # noqa: E731
+    assert fb.kernel_takes(w8(1024, 5120), cuda) and fb.kernel_takes(w8(5120, 17408), cuda)  # K/128 = 40, 136
+    assert not fb.kernel_takes(w8(1024, 256), cuda) and not fb.kernel_takes(w8(1024, 640), cuda)  # 2 and 5 blocks
+    assert not fb.kernel_takes(w8(48, 5120), cuda)  # the GDN's in_proj_b/a
+    assert not fb.kernel_takes(w8(1024, 5120), torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert not fb.kernel_takes(w8(1024, 5120), cuda)  # below sm90: no block-scaled FP8 GEMM
+
+
 def test_sibling_linears_share_one_quantization_of_the_tensor_they_read(monkeypatch):
     """q/k/v (gate/up, the GDN's four input projections) read one tensor: it is quantized once, and each output is
     still its own reference_linear; another tensor, or the same one changed in place, is quantized again."""
@@ -283,7 +297,7 @@ def test_block_fp8_linear_on_the_gpu_equals_the_reference():
     xo = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16, generator=g)
     assert torch.equal(odd(xo), fb.reference_linear(xo, odd.weight, odd.weight_scale_inv)) and odd._kernel is False
     # the decoder's shapes at hidden 1024 (q with its gate, k/v, o, the GDN's in_proj_qkv/z and out_proj, gate/up,
-    # down) and one block of N; a decode step's row, a verify block's rows, a prefill's. Heavy-tailed values (cubed,
+    # down) and one block of N (K=256: not 4 scale blocks, the reference path); a decode step's row, a verify block's rows, a prefill's. Heavy-tailed values (cubed,
     # as torch's own block-scaling tests make them): every token, group and block gets its own scale, so a scale
     # read from the wrong place shows (with randn the scales are all alike and it would not)
     for n, k in ((12288, 1024), (1024, 1024), (1024, 6144), (10240, 1024), (6144, 1024), (3072, 1024),
@@ -294,7 +308,7 @@ def test_block_fp8_linear_on_the_gpu_equals_the_reference():
             xs = torch.randn(m, k, device="cuda", generator=g).pow(3).to(torch.bfloat16)
             ref = fb.reference_linear(xs.float(), lin.weight, lin.weight_scale_inv)
             err = float((lin(xs).float() - ref).norm() / ref.norm())
-            assert lin._kernel is True and err < 1e-2, (n, k, m, err)
+            assert lin._kernel is (k // 128 % 4 == 0) and err < 1e-2, (n, k, m, err)  # K=256: 2 scale blocks
 
 
 @pytest.mark.gpu
@@ -322,12 +336,17 @@ def test_the_triton_activation_quantization_equals_quantize_act_to_the_bit():
 
 
 @pytest.mark.gpu
-def test_the_hybrids_tap_features_in_fp8_on_the_gpu_equal_the_reference_arithmetic():
+def test_the_hybrids_fp8_linears_on_the_gpu_equal_the_reference_on_their_own_inputs():
     """The real head counts at hidden 1024 (8 layers, both layer types twice), bf16, fla's fast forward, every decoder
-    linear quantized as fp8-block-from-bf16 makes it: the GPU path (the Triton quantization shared by siblings,
-    torch._scaled_mm; the 48-row in_proj_b/a on the reference arithmetic) against the same model with each FP8 linear on reference_linear's
-    arithmetic, per tap layer. Their difference (GEMM summation order, bf16 outputs) must be far below the FP8 drift
-    itself (the same model with bf16 GEMMs)."""
+    linear quantized as fp8-block-from-bf16 makes it. Every call of every linear on the GPU path (the Triton
+    quantization shared by siblings, torch._scaled_mm; the 48-row in_proj_b/a on the reference arithmetic) equals
+    reference_linear on the same input within the bf16 output's rounding.
+
+    The tap features are only printed and bounded by the FP8 drift itself (the same model with bf16 GEMMs): two
+    correct FP8 forwards that differ in nothing but their GEMMs' fp32 summation order already differ by 1.3% at
+    layer 0 and 11% at layer 7 (bench/fp8_sum_order.py, 2026-12-06), because the next linear's FP8 rounding turns
+    a last-bit difference into a whole FP8 step. The 4.3% the kernel path showed at layer 0 on 2026-12-06 is
+    of that kind; a per-linear comparison is what shows a kernel's equality."""
     pytest.importorskip("fla.ops.gated_delta_rule", reason="flash-linear-attention (fla-core) not installed")
     import pipeline.fast_forward as ff
     from tests.test_fast_forward import _features, _small_width_hybrid
@@ -337,18 +356,35 @@ def test_the_hybrids_tap_features_in_fp8_on_the_gpu_equal_the_reference_arithmet
     ff.install(model, ff.fla_ops())
     ids = torch.randint(4, 4000, (2, 600), generator=torch.Generator().manual_seed(3)).to(dev)
     att = torch.ones_like(ids)
+    worst: dict[str, float] = {}
+
+    def check(name):
+        def hook(mod, args, out):
+            x = args[0]
+            ref = fb.reference_linear(x.float(), mod.weight, mod.weight_scale_inv)  # [..., N] fp32, same input
+            err = float((out.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+            worst[name] = max(worst.get(name, 0.0), err)
+        return hook
+
     with torch.no_grad():
         plain = _features(model, ids, att)
         n = fb.quantize_linears(model.get_decoder().layers)
-        fp8 = [m for m in model.modules() if isinstance(m, fb.BlockFP8Linear)]
-        assert n == len(fp8) and any(m.out_features % 128 for m in fp8)  # in_proj_b/a: 48 rows
+        fp8 = {name: m for name, m in model.named_modules() if isinstance(m, fb.BlockFP8Linear)}
+        assert n == len(fp8) and any(m.out_features % 128 for m in fp8.values())  # in_proj_b/a: 48 rows
+        hooks = [m.register_forward_hook(check(name)) for name, m in fp8.items()]
         got = _features(model, ids, att)
-        assert all(m._kernel is (m.out_features % 128 == 0) for m in fp8)
-        for m in fp8:
+        for h in hooks:
+            h.remove()
+        assert all(m._kernel is (m.out_features % 128 == 0) for m in fp8.values())
+        for m in fp8.values():
             m._kernel = False
         ref = _features(model, ids, att)
+    assert set(worst) == set(fp8), sorted(set(fp8) - set(worst))  # every linear ran
+    name, top = max(worst.items(), key=lambda kv: kv[1])
+    print(f"per-linear, on its own inputs: the largest difference from reference_linear {top:.2e} ({name})")
+    assert top < 1e-2, {k: v for k, v in worst.items() if v >= 1e-2}
     for i in range(8):  # features [B, S, L, H]
         g, r, p = (t[:, :, i].float() for t in (got, ref, plain))
         err, drift = float((g - r).norm() / r.norm()), float((p - r).norm() / r.norm())
-        print(f"layer {i}: kernel vs reference {err:.2e}, FP8 vs bf16 GEMMs {drift:.2e}")
-        assert err < 2e-2 and err < 0.25 * drift, (i, err, drift)
+        print(f"layer {i}: kernel path vs reference path {err:.2e}, FP8 vs bf16 GEMMs {drift:.2e}")
+        assert err < drift, (i, err, drift)

@@ -1,0 +1,134 @@
+"""How far two correct block-FP8 forwards of the same model drift apart when only their GEMMs' fp32 summation
+order differs (issue 45: the yardstick for comparing the GPU kernel's tap features with the reference's).
+
+Both forwards run `pipeline.fp8_block.reference_linear`'s numerics on the same weights and inputs. One takes each
+linear's fp32 sum as one matmul (the reference), the other K-block by K-block, as a block-scaled kernel does. The
+bf16 outputs then differ in the last bit here and there. The next linear quantizes its input to FP8 again, where
+such a bit can move an element across a rounding boundary, one FP8 step of 12.5%. So the difference grows layer by
+layer, far above bf16 rounding. A whole-model feature comparison of two FP8 paths therefore cannot show a kernel's
+equality; a per-linear comparison on the same inputs can (tests/test_fp8_block.py's GPU test).
+
+    python bench/fp8_sum_order.py --seq 300 --out runs/fp8-sum-order.json     # hidden 1024, 8 layers, bf16 (~45 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def blocked_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """BlockFP8Linear.forward on reference_linear's operands, the fp32 sum taken 128 channels at a time."""
+    from pipeline import fp8_block as fb
+    from pipeline.fp8_weights import dequantize
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    x8, sx = fb.quantize_act(x.reshape(-1, k))
+    xa = fb.dequantize_act(x8, sx)  # [M, K] fp32
+    w = dequantize(self.weight, self.weight_scale_inv, fb.BLOCK).to(x.device)  # [N, K] fp32
+    y = torch.zeros(xa.shape[0], w.shape[0], device=x.device)
+    for j in range(0, k, fb.GROUP):
+        y += xa[:, j:j + fb.GROUP] @ w[:, j:j + fb.GROUP].t()
+    y = y.to(x.dtype)
+    return (y if self.bias is None else y + self.bias).reshape(*lead, w.shape[0])
+
+
+def _bf16_linear(blocked: bool):
+    """nn.Linear.forward without FP8: the bf16 operands' fp32 sum as one matmul or 128 channels at a time."""
+    def forward(self, x):
+        xa, w = x.float(), self.weight.float()
+        if blocked:
+            y = torch.zeros(*x.shape[:-1], w.shape[0])
+            for j in range(0, x.shape[-1], 128):
+                y += xa[..., j:j + 128] @ w[:, j:j + 128].t()
+        else:
+            y = xa @ w.t()
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+    return forward
+
+
+def features(model, ids, layers: int) -> torch.Tensor:
+    from pipeline.target import FeatureCapture, capture_features
+
+    cap = FeatureCapture(model, list(range(layers)))
+    try:
+        return capture_features(model, cap, ids, torch.ones_like(ids))  # [B, S, L, H]
+    finally:
+        cap.remove()
+
+
+def measure(hidden: int, intermediate: int, layers: int, seq: int, batch: int, seed: int) -> dict:
+    import pipeline.fast_forward as ff
+    from bench.extract_bench import build_model
+    from pipeline import fp8_block as fb
+
+    torch.manual_seed(seed)
+    model, _ = build_model("qwen3_5", "real", device="cpu", dtype=torch.bfloat16, vocab_size=4096,
+                           hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers)
+    with torch.no_grad():  # non-zero zero-centred norm weights, as tests/test_fast_forward.py's hybrid
+        for name, p in model.named_parameters():
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
+                p.copy_(0.1 * torch.randn_like(p))
+    ff.install(model, ff.torch_ops())
+    ids = torch.randint(4, 4000, (batch, seq), generator=torch.Generator().manual_seed(seed + 3))
+    with torch.no_grad():
+        plain = features(model, ids, layers)
+        saved = torch.nn.Linear.forward
+        try:  # the control: the same change of summation order without FP8 in between
+            torch.nn.Linear.forward = _bf16_linear(False)
+            bf_one = features(model, ids, layers)
+            torch.nn.Linear.forward = _bf16_linear(True)
+            bf_blocked = features(model, ids, layers)
+        finally:
+            torch.nn.Linear.forward = saved
+        fb.quantize_linears(model.get_decoder().layers)
+        one = features(model, ids, layers)
+        rerun = torch.equal(one, features(model, ids, layers))  # the reference is deterministic
+        saved = fb.BlockFP8Linear.forward
+        fb.BlockFP8Linear.forward = blocked_forward
+        try:
+            blocked = features(model, ids, layers)
+        finally:
+            fb.BlockFP8Linear.forward = saved
+    rows = []
+    for i in range(layers):
+        b, r, p, cb, cr = (t[:, :, i].float() for t in (blocked, one, plain, bf_blocked, bf_one))
+        rows.append({"layer": i, "order": float((b - r).norm() / r.norm()), "fp8_drift": float((p - r).norm() / r.norm()),
+                     "order_without_fp8": float((cb - cr).norm() / cr.norm())})
+    return {"shape": f"hidden {hidden}, intermediate {intermediate}, {layers} layers, real head counts, bf16",
+            "tokens": batch * seq, "reference_rerun_equal": rerun, "layers": rows}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=3072)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="the figures as JSON")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    res = measure(a.hidden, a.intermediate, a.layers, a.seq, a.batch, a.seed)
+    print(f"{res['shape']}, {res['tokens']} tokens, {time.time() - t0:.0f} s; the reference run twice is bit-equal: "
+          f"{res['reference_rerun_equal']}")
+    for r in res["layers"]:
+        print(f"layer {r['layer']}: FP8, summation order alone {r['order']:.2e} (bf16 GEMMs: {r['order_without_fp8']:.2e}); "
+              f"FP8 against bf16 GEMMs {r['fp8_drift']:.2e}")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
