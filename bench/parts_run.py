@@ -77,7 +77,17 @@ def _finish(p: subprocess.Popen, log: Path, step) -> int:
     return 0 if rc == 0 else 1
 
 
+def _sigint_reaches_steps() -> None:
+    """A runner started with SIGINT ignored (a background job of a non-interactive shell: `cmd &`) hands that on to
+    every step, and Python then installs no KeyboardInterrupt handler: the SIGINT a step gets at its limit would
+    do nothing, and pytest would not print its summary (a background `.ci/run` failed so, 2026-12-06). Python's
+    handler is put back here; a step then starts with the default action."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_steps(steps: list, out: Path) -> int:
+    _sigint_reaches_steps()
     rc = 0
     for step in steps:
         if callable(step):
