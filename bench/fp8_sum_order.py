@@ -25,6 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def fp32_sum(xa: torch.Tensor, w: torch.Tensor, blocked: bool) -> torch.Tensor:
+    """xa [..., K] @ w [N, K].T in fp32: one matmul, or 128 channels at a time as a block-scaled kernel sums."""
+    if not blocked:
+        return xa @ w.t()
+    y = torch.zeros(*xa.shape[:-1], w.shape[0], device=xa.device)
+    for j in range(0, xa.shape[-1], 128):
+        y += xa[..., j:j + 128] @ w[:, j:j + 128].t()
+    return y
+
+
 def blocked_forward(self, x: torch.Tensor) -> torch.Tensor:
     """BlockFP8Linear.forward on reference_linear's operands, the fp32 sum taken 128 channels at a time."""
     from pipeline import fp8_block as fb
@@ -32,26 +42,15 @@ def blocked_forward(self, x: torch.Tensor) -> torch.Tensor:
 
     lead, k = x.shape[:-1], x.shape[-1]
     x8, sx = fb.quantize_act(x.reshape(-1, k))
-    xa = fb.dequantize_act(x8, sx)  # [M, K] fp32
     w = dequantize(self.weight, self.weight_scale_inv, fb.BLOCK).to(x.device)  # [N, K] fp32
-    y = torch.zeros(xa.shape[0], w.shape[0], device=x.device)
-    for j in range(0, k, fb.GROUP):
-        y += xa[:, j:j + fb.GROUP] @ w[:, j:j + fb.GROUP].t()
-    y = y.to(x.dtype)
+    y = fp32_sum(fb.dequantize_act(x8, sx), w, blocked=True).to(x.dtype)  # [M, N]
     return (y if self.bias is None else y + self.bias).reshape(*lead, w.shape[0])
 
 
 def _bf16_linear(blocked: bool):
     """nn.Linear.forward without FP8: the bf16 operands' fp32 sum as one matmul or 128 channels at a time."""
     def forward(self, x):
-        xa, w = x.float(), self.weight.float()
-        if blocked:
-            y = torch.zeros(*x.shape[:-1], w.shape[0])
-            for j in range(0, x.shape[-1], 128):
-                y += xa[..., j:j + 128] @ w[:, j:j + 128].t()
-        else:
-            y = xa @ w.t()
-        y = y.to(x.dtype)
+        y = fp32_sum(x.float(), self.weight.float(), blocked).to(x.dtype)
         return y if self.bias is None else y + self.bias
     return forward
 
