@@ -84,7 +84,8 @@ def test_export_copies_the_runs_eval_of_its_step_or_says_why_there_is_none(tmp_p
     ckpt = str(run / "checkpoints" / "best-step40.ckpt")
     same = record_for_export(ckpt, 40, 8)
     assert same["evaluated"] is True and same["tau_online"] == 2.25
-    other = record_for_export(ckpt.replace("40", "60"), 60, 8)
+    other = record_for_export(str(run / "checkpoints" / "best-step60.ckpt"), 60, 8)  # not a replace on the path:
+    # pytest's base directory was once /tmp/pytest-of-root/pytest-40, and the run directory moved with it
     assert other["evaluated"] is False and "measured step 40, not this checkpoint's step 60" in other["reason"]
     (run / "eval" / "dflash_tau.json").unlink()
     none = record_for_export(ckpt, 40, 8)
