@@ -95,6 +95,15 @@ def no_duck_shapes() -> bool:
     return True
 
 
+def import_inductor() -> None:
+    """The imports `prepare_compile` makes (Inductor's choices, and Triton under them where installed) and the
+    first compile's entry, made ahead by a caller with time to spare: `dflash train` does it while the frozen
+    head's check and load finish in their thread (issue 46: the compile set-up was 3.4 s of a 27B run's fit set-up
+    on the H100 host; 0.7 s on the 2-core CPU, where no Triton is installed). Changes no setting."""
+    import torch._inductor.choices  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+
 def prepare_compile(limit: Optional[int] = None, dynamic: Optional[bool] = None) -> list[str]:
     """Everything above, once per process before the first compile; -> the workarounds installed. dynamic: the
     run compiles dynamic from its first step (batches of many shapes), so duck shaping is turned off too."""

@@ -19,7 +19,10 @@ Contract:
   it as StoreDataError (training calls it at start, in a background thread: `start_frozen_head_check`, whose
   `wait()` raises the same error before `fit`). Heads of stores from before checksums (no
   "dflash_integrity" root attribute) and without a sidecar are accepted, unchecked. `load_frozen_head` is the
-  one read of its tensors for training and eval.
+  one read of its tensors for training and eval. Given `to=(device, dtype)`, the check's thread also loads the
+  checked head there once the check passed (issue 46: 2.7 s of a 27B run's fit set-up on the H100 host, now beside
+  Lightning's import), and `load_frozen_head` of the same file takes those tensors, once; a load that fails in
+  the thread leaves nothing behind, and the fit loads the head itself as before.
 - `target_differences` compares a target checkpoint with the one a store was extracted from by fingerprint
   (pipeline.target.target_fingerprint, every key it returns), never by name. Training needs no target, so a
   target path that is not a local directory here is skipped with one line on stderr saying so.
@@ -296,10 +299,18 @@ def check_frozen_head(store_path: str) -> None:
         raise st.StoreDataError(f"{problem}; `dflash verify {store_path}` checks the whole store")
 
 
+_PRELOADED: dict[str, tuple] = {}  # head file -> (embed, head) loaded by the check's thread (start_frozen_head_check)
+
+
 def load_frozen_head(head_file: str, device, dtype) -> tuple:
     """(embed_tokens, lm_head) of a frozen head file (`st.frozen_head_path`) on `device` in `dtype`; a tied target
     stores the embedding once and both are then the same tensor. A local file is memory-mapped straight to the
-    device (2 x 2.5 GB at the 27B shape). Check it first (`check_frozen_head`): this only reads."""
+    device (2 x 2.5 GB at the 27B shape). Check it first (`check_frozen_head`): this only reads. A head the check's
+    thread loaded already (`to=`) is taken from there, moved where it was not loaded as asked."""
+    pre = _PRELOADED.pop(head_file, None)
+    if pre is not None:
+        embed, head = (t.to(device, dtype) for t in pre)
+        return embed, (embed if pre[1] is pre[0] else head)
     from safetensors.torch import load, load_file
 
     if st.is_local(head_file):
@@ -311,22 +322,31 @@ def load_frozen_head(head_file: str, device, dtype) -> tuple:
     return embed, head
 
 
-def start_frozen_head_check(store_path: str):
+def start_frozen_head_check(store_path: str, to: Optional[tuple] = None):
     """`check_frozen_head` in a background thread; returns `wait()`, which raises what the check raised.
 
     At the 27B shape the head is 5 GB: its sha256 took ~7 s on the development CPU and a few seconds on the
     H200 host, on every rank. hashlib and file reads release the GIL, so the check overlaps the rest of the
     set-up (model build, loaders, Trainer); training calls `wait()` before `fit`, so a changed or damaged
-    head still stops the run before its first step."""
+    head still stops the run before its first step. `to=(device, dtype)`: after a passing check the thread loads
+    the head there for `load_frozen_head` (the module contract); `wait()` also waits for that load."""
     import threading
 
     failure: list[BaseException] = []
+    head_file = st.frozen_head_path(store_path)
 
     def check() -> None:
         try:
             check_frozen_head(store_path)
         except BaseException as e:  # noqa: BLE001 (handed to wait(), re-raised in the caller's thread)
             failure.append(e)
+            return
+        if to is not None:
+            try:
+                _PRELOADED[head_file] = load_frozen_head(head_file, *to)
+            except Exception as e:  # noqa: BLE001 - the fit loads it itself and meets the error there
+                print(f"train: the frozen head was not loaded ahead ({type(e).__name__}: {e}); the fit loads it",
+                      file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=check, name="frozen-head-sha256", daemon=True)
     thread.start()

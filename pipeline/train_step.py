@@ -40,6 +40,12 @@ from pipeline.drafter import draft_hidden  # the drafting sequence (training, ev
 from pipeline.masks import Blocks, build_blocks, doc_starts
 
 
+def compute_dtype(device_type: str, precision: str) -> torch.dtype:
+    """dtype of the frozen embedding/head and of the decoded features: bf16 on GPU under bf16 precision;
+    fp32 on CPU and under "32-true" (whose fp32 layers would refuse bf16 inputs: no autocast casts them)."""
+    return torch.bfloat16 if device_type == "cuda" and precision.startswith("bf16") else torch.float32
+
+
 def build_drafter(cfg: Config, layer_ids: list[int], vocab_size: int) -> DFlashDrafter:
     spec = spec_for(cfg.drafter.arch)
     drafter = spec.build(cfg, layer_ids, vocab_size)

@@ -166,7 +166,12 @@ def _train(req: TrainRequest) -> int:
                                       command=req.command, ranks=ranks, strategy=strategy, task=task, data=data,
                                       callbacks=callbacks, resume_state=opened.resume_state, phases=phases)
     phases.mark("trainer")
-    opened.head_check()  # the frozen head's checksum, overlapped with the set-up above
+    if task.compiles(ranks.accel):  # the compile set-up's imports, while the head's check and load finish
+        from pipeline.compile_setup import import_inductor
+
+        import_inductor()
+        phases.mark("compile imports")
+    opened.head_check()  # the frozen head's checksum and load, overlapped with the set-up above
     phases.mark("frozen-head check wait")
     stopped = train_fit.fit(cfg=cfg, fitting=fitting, task=task, data=data, resume=req.resume, last=paths.last,
                             ckpt_dir=paths.ckpt_dir, ranks=ranks, nodes=nodes, hint=hint)

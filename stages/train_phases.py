@@ -158,7 +158,8 @@ def open_training_store(*, cfg: Config, store_path: str, follow: bool, committed
     resume_accumulate(cfg, resume_state, ranks.world, say=ranks.rank == 0)  # the global batch kept on another world size
     try:
         attrs, reader, stream_epochs, head_check = open_store(cfg, store_path, follow, resume_state, ranks.launcher,
-                                                              ranks.rank, ranks.world, committed_only)
+                                                              ranks.rank, ranks.world, committed_only,
+                                                              head_to=head_device(ranks))
     except KeyboardInterrupt:  # Ctrl-C while waiting for extraction, before the first step: no "Aborted!"
         done = (f"resume with: {hint}" if resume else
                 f"no step was trained, so nothing to resume; start again with: {command}")
@@ -167,6 +168,17 @@ def open_training_store(*, cfg: Config, store_path: str, follow: bool, committed
         return None
     return Opened(resume_state=resume_state, attrs=attrs, reader=reader, stream_epochs=stream_epochs,
                   head_check=head_check)
+
+
+def head_device(ranks: Ranks) -> tuple:
+    """(device, dtype) the training module will hold the frozen head on: Lightning's device for this local rank
+    (`parallel_devices[local_rank]`, the --gpus entry) and its compute dtype. The head is loaded there while the
+    set-up goes on (issue 46); were this ever not the module's device, the fit moves it (correct, only slower)."""
+    from pipeline.train_step import compute_dtype  # torch only: this runs before Lightning is imported
+
+    if not ranks.use_gpu:
+        return torch.device("cpu"), compute_dtype("cpu", ranks.precision)
+    return torch.device("cuda", ranks.devs[ranks.top.local]), compute_dtype("cuda", str(ranks.precision))
 
 
 def import_lightning() -> None:

@@ -4,8 +4,9 @@ batch, printed as one line when start-up is over (issue 31 item 1; stages/progre
 Torch-free and Lightning-free, so that the launcher can start timing before the heavy imports. The phases are
 those of stages/train.run_train in order (names without commas: benches parse the line):
 launch and imports (interpreter, CLI, torch, config), store checks, Lightning imports (and the training
-module's), compile cache and loaders, drafter (built on its device), trainer, frozen-head check wait (what the
-checksum thread had left), fit set-up (other ranks started, compile settings, optimizer, a resume's restore),
+module's), compile cache and loaders, drafter (built on its device), trainer, compile imports (Inductor's, in a
+run that compiles), frozen-head check wait (what the thread that checks the head and loads it onto the device had
+left), fit set-up (other ranks started, compile settings, optimizer, a resume's restore),
 first batch (its loading and compiling).
 
 Two phases are broken down further, each in a line of its own printed with the start-up line (issue 46: the

@@ -132,10 +132,11 @@ def checkpoint_state(path: Path) -> dict:
 
 
 def open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optional[dict], launcher: bool, rank: int,
-                world: int, committed_only: bool = False):
+                world: int, committed_only: bool = False, head_to: Optional[tuple] = None):
     """(root attrs, reader, stream epochs, head check): a finished store's reader, or a growing store once it is
     trainable; `head check()` waits for the frozen head's checksum (a background thread) and raises if it failed.
-    `committed_only`: an unfinished store's committed samples are read as a finished store's (no following)."""
+    `committed_only`: an unfinished store's committed samples are read as a finished store's (no following).
+    `head_to=(device, dtype)`: the checked head is loaded there in the same thread (pipeline/provenance.py)."""
     from data.follow import GrowingStore, min_start_samples, wait_for_store
 
     try:
@@ -157,7 +158,7 @@ def open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optiona
         if launcher:
             print(f"train: --committed-only: training on the {len(reader.samples)} samples committed to {store_path} "
                   f"(shard(s) {unfinished} not finished), as on a finished store", file=sys.stderr, flush=True)
-        return attrs, reader, (), start_frozen_head_check(store_path)
+        return attrs, reader, (), start_frozen_head_check(store_path, to=head_to)
     if unfinished and not follow:
         if launcher:
             print(f"train: the store at {store_path} is still being written (shard(s) {unfinished} not finished): "
@@ -172,9 +173,9 @@ def open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optiona
         head = st.frozen_head_path(store_path)
         if not st.exists(head):
             raise TrainError(f"{head} is missing: the store is incomplete; resume `dflash extract` to write it")
-        head_check = start_frozen_head_check(store_path)  # a changed or damaged head stops before fit
+        head_check = start_frozen_head_check(store_path, to=head_to)  # a changed or damaged head stops before fit
         return attrs, st.StoreReader(store_path), stream_epochs, head_check
-    head_check = start_frozen_head_check(store_path)  # written (checksum first) before any shard's first batch
+    head_check = start_frozen_head_check(store_path, to=head_to)  # written (checksum first) before any shard's first batch
     head_check()  # at once: a following run may wait long for samples, and a bad head must not wait with it
     t = cfg.train
     growing = GrowingStore(store_path, report=rank == 0, timeout_s=t.follow_timeout_s)

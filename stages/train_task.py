@@ -32,17 +32,11 @@ import torch.distributed as dist
 
 from data.packing import padding_stats
 from pipeline.config import Config
-from pipeline.train_step import build_drafter, step_loss
+from pipeline.train_step import build_drafter, compute_dtype, step_loss
 from pipeline.encoding import decode
 from pipeline.errors import NonFiniteLoss
 from pipeline.acceptance import acceptance_length, slot_accuracy, slot_counts
 from pipeline.loss import normalised_loss
-
-
-def compute_dtype(device_type: str, precision: str) -> torch.dtype:
-    """dtype of the frozen embedding/head and of the decoded features: bf16 on GPU under bf16 precision;
-    fp32 on CPU and under "32-true" (whose fp32 layers would refuse bf16 inputs: no autocast casts them)."""
-    return torch.bfloat16 if device_type == "cuda" and precision.startswith("bf16") else torch.float32
 
 
 class WarmupCosine:
@@ -102,13 +96,17 @@ class DrafterTask(L.LightningModule):
         dtype = compute_dtype(self.device.type, str(self.trainer.precision) if self._trainer else "32-true")
         self._embed, self._head = load_frozen_head(self.head_path, self.device, dtype)  # checked by stages.train
 
+    def compiles(self, device_type: str) -> bool:
+        """Whether training compiles the drafter's layers on this device type (train.compile: on | auto = on CUDA)."""
+        mode = self.cfg.train.compile
+        return mode == "on" or (mode == "auto" and device_type in ("cuda", "gpu"))
+
     def on_fit_start(self) -> None:
         t0 = time.time()
         self._load_head()
         self.fit_start_parts = [("frozen head to the device", time.time() - t0)]  # stages/progress.py's line
         t0 = time.time()
-        mode = self.cfg.train.compile
-        if mode == "on" or (mode == "auto" and self.device.type == "cuda"):
+        if self.compiles(self.device.type):
             from pipeline.compile_setup import prepare_compile
 
             # a recompile storm fails loudly instead of silently running eager. The limit counts the layer's

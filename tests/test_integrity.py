@@ -24,8 +24,8 @@ import torch
 from data.store_dataset import StoreDataset, worker_init
 from pipeline import store as st
 from pipeline.encoding import encode
-from pipeline.provenance import (check_frozen_head, create_or_open_store, start_frozen_head_check,
-                                 target_differences, write_frozen_head)
+from pipeline.provenance import (check_frozen_head, create_or_open_store, load_frozen_head,
+                                 start_frozen_head_check, target_differences, write_frozen_head)
 from pipeline.procinfo import machine_id
 from pipeline.store_lock import ShardLock, ShardLockedError, lock_path
 from stages.verify import verify_store
@@ -222,6 +222,30 @@ def test_the_background_head_check_raises_the_same_error_in_the_caller(copy):
     Path(str(head) + ".sha256").unlink()
     with pytest.raises(st.StoreDataError, match="sha256 is missing"):
         start_frozen_head_check(copy)()
+
+
+def test_the_head_check_loads_a_checked_head_ahead_once_and_never_a_damaged_one(copy):
+    """Issue 46: given `to=(device, dtype)` the check's thread also loads the head; the fit's load_frozen_head takes
+    those very tensors once (a second load reads the file again, same values), and a head that fails its check is
+    never loaded ahead."""
+    from pipeline import provenance
+
+    head_file = st.frozen_head_path(copy)
+    start_frozen_head_check(copy, to=(torch.device("cpu"), torch.float32))()
+    ahead = provenance._PRELOADED[head_file]
+    embed, head = load_frozen_head(head_file, torch.device("cpu"), torch.float32)
+    assert embed is ahead[0] and head is ahead[1] and embed.dtype == torch.float32
+    again = load_frozen_head(head_file, torch.device("cpu"), torch.float32)  # taken once: read from the file now
+    assert again[0] is not embed and torch.equal(again[0], embed) and torch.equal(again[1], head)
+    half = start_frozen_head_check(copy, to=(torch.device("cpu"), torch.bfloat16))
+    half()
+    assert load_frozen_head(head_file, torch.device("cpu"), torch.float32)[0].dtype == torch.float32  # converted
+    data = bytearray(Path(head_file).read_bytes())
+    data[len(data) // 3] ^= 0x04
+    Path(head_file).write_bytes(bytes(data))
+    with pytest.raises(st.StoreDataError, match="does not match its recorded checksum"):
+        start_frozen_head_check(copy, to=(torch.device("cpu"), torch.float32))()
+    assert head_file not in provenance._PRELOADED
 
 
 def test_a_store_from_before_the_checksums_stays_readable(copy):
