@@ -69,14 +69,31 @@ def part(name: str):
     return add
 
 
-def _pytest(c: Ctx, name: str, *args: str, show: int = 60) -> list:
+def _pytest(c: Ctx, name: str, *args: str, show: int = 60, alone_after: bool = False) -> list:
     """A GPU test run; at the tiny size its collection (the tests skip without CUDA): the selection is valid. Each
     test is named as it ends (-v). GPU_TEST_JOBS > 1 runs that many pytest-xdist workers (from .whl on the GPU
     machine), one test file a worker; GPU_TEST_LIMIT (seconds) stops it with SIGINT, so pytest still prints its
-    summary."""
+    summary. `alone_after` (part gputests): with workers, the tests marked gpu_alone (they start dflash on the
+    GPU, whose preflight wants 16 GiB free: beside four workers on an 80 GB H100 it refused, 2026-12-06) run
+    after the others, one at a time, in a second step (GPU_TEST_ALONE=0 leaves it to part gpualone)."""
     jobs = c.var("GPU_TEST_JOBS", "1", "1")
-    argv = [PY, "-m", "pytest", "-v", "-m", "gpu", *args, "-p", "no:cacheprovider", "--tb=short",
-            *(["-n", jobs, "--dist", "loadfile"] if jobs != "1" else [])]
+    limit = float(c.var("GPU_TEST_LIMIT", "3600", "600"))
+    base = [PY, "-m", "pytest", "-v", "-m", "gpu", *args, "-p", "no:cacheprovider", "--tb=short"]
+    tail = ["--collect-only"] if c.tiny else []
+    hide = r"^\s*$|warnings summary|Warning"
+    workers = ["-n", jobs, "--dist", "loadfile"] if jobs != "1" else []
+    if not alone_after or (jobs == "1" and not c.tiny):  # (the smoke run collects both steps' selections)
+        return [Step(base + workers + tail, f"{name}.log", show=show, timeout=limit, hide=hide)]
+    many = base[:base.index("gpu")] + ["gpu and not gpu_alone"] + base[base.index("gpu") + 1:]
+    steps = [Step(many + workers + tail, f"{name}.log", show=show, timeout=limit, hide=hide)]
+    if c.var("GPU_TEST_ALONE", "1", "1") != "0":
+        steps += _alone(c, f"{name}_alone", *args, show=show)
+    return steps
+
+
+def _alone(c: Ctx, name: str, *args: str, show: int = 60) -> list:
+    """The gpu_alone tests, one at a time (see _pytest)."""
+    argv = [PY, "-m", "pytest", "-v", "-m", "gpu and gpu_alone", *args, "-p", "no:cacheprovider", "--tb=short"]
     return [Step(argv + (["--collect-only"] if c.tiny else []), f"{name}.log", show=show,
                  timeout=float(c.var("GPU_TEST_LIMIT", "3600", "600")), hide=r"^\s*$|warnings summary|Warning")]
 
@@ -98,7 +115,8 @@ for _n, _a in {"gputests": ["tests/"], "attntests": ["tests/test_gpu_attention.p
                "packtests": ["tests/test_packing.py"],
                # what the wave-4 GPU run left (cut by its time limit, or failed on transformers 5.17's cache names)
                "gpuleft": ["tests/test_gpu_train.py", "tests/test_fast_forward.py", "-s"]}.items():
-    PARTS[_n] = (lambda a, n: lambda c: _pytest(c, n, *a))(_a, _n)
+    PARTS[_n] = (lambda a, n: lambda c: _pytest(c, n, *a, alone_after=n == "gputests"))(_a, _n)
+PARTS["gpualone"] = lambda c: _alone(c, "gpualone", "tests/")  # gputests' second step on its own
 
 
 @part("trainbench")

@@ -178,11 +178,19 @@ def test_a_step_stopped_at_its_limit_gets_sigint_first_so_it_can_report(tmp_path
 def test_gpu_test_parts_name_each_test_and_take_workers_and_a_limit(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_TEST_JOBS", "5")
     monkeypatch.setenv("GPU_TEST_LIMIT", "560")
-    (step,) = steps_of("gputests", tmp_path, False)
+    step, alone = steps_of("gputests", tmp_path, False)  # the tests that start dflash on the GPU run after, alone
     assert "-v" in step.argv and step.argv[step.argv.index("-n"):][:4] == ["-n", "5", "--dist", "loadfile"]
-    assert step.timeout == 560 and step.argv[step.argv.index("gpu") + 1] == "tests/"
-    (tiny,) = steps_of("gputests", tmp_path, True)
-    assert "-n" not in tiny.argv and "--collect-only" in tiny.argv
+    m = step.argv.index("-m", step.argv.index("pytest"))  # the marker expression (not python -m)
+    assert step.timeout == 560 and step.argv[m + 1:m + 3] == ["gpu and not gpu_alone", "tests/"]
+    assert alone.argv[m + 1:m + 3] == ["gpu and gpu_alone", "tests/"] and "-n" not in alone.argv and alone.timeout == 560
+    tiny = steps_of("gputests", tmp_path, True)  # its smoke run collects both selections (part gpualone: the second)
+    assert [t.argv[m + 1] for t in tiny] == ["gpu and not gpu_alone", "gpu and gpu_alone"]
+    assert all("-n" not in t.argv and "--collect-only" in t.argv for t in tiny)
+    monkeypatch.setenv("GPU_TEST_ALONE", "0")
+    assert len(steps_of("gputests", tmp_path, False)) == 1
+    monkeypatch.setenv("GPU_TEST_JOBS", "1")
+    (one,) = steps_of("gputests", tmp_path, False)  # one worker: every GPU test in one run, as before
+    assert one.argv[m + 1] == "gpu" and "-n" not in one.argv
 
 
 def test_fastfwd_can_run_its_bench_alone_with_a_profile_and_without_fp8(tmp_path, monkeypatch):

@@ -66,6 +66,7 @@ def test_compiled_flex_matches_sdpa_with_the_dflash2_loss():
         assert rel_err(g_f[n], g_s[n]) < (0.15 if "candidate_selector" in n else 5e-2), n
 
 
+@pytest.mark.gpu_alone  # starts dflash on the GPU: run alone (bench part gputests)
 def test_train_dflash2_on_gpu(tmp_path):
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
     dflash("extract", "--config", TINY, "--store", store, "--set", "data.max_samples=240",

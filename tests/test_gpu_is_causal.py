@@ -20,6 +20,7 @@ def test_compiled_flex_matches_sdpa_with_is_causal_false():
     assert r["rule"] > 1e-3, r  # and the bidirectional rule really differs from the default one (fp32)
 
 
+@pytest.mark.gpu_alone  # starts dflash on the GPU: run alone (bench part gputests)
 def test_train_export_eval_keep_is_causal_on_gpu(tmp_path):
     rep = run_pipeline(tmp_path, gpu=True, samples=240, train_sets=[
         "train.precision=bf16-mixed", "train.compile=on", "train.epochs=2", "train.val_every=20"])

@@ -28,6 +28,7 @@ def gpu_store(tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.gpu_alone  # starts dflash on the GPU: run alone (bench part gputests)
 def test_train_and_eval_on_gpu(gpu_store, tmp_path, precision):
     run = tmp_path / "run"
     r = dflash("train", "--config", TINY, "--store", gpu_store, "--gpus", "0", "--set", f"train.run_dir={run}",
