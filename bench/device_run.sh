@@ -5,7 +5,7 @@
 # Usage (from the repo root):
 #   bash bench/device_run.sh gputests attntests trainbench e2e sdpa attention extract store profile regen
 #   GPU_TEST_JOBS=5 GPU_TEST_ALONE=0 bash bench/device_run.sh gputests       (on an 80 GB H100: the parallel GPU tests;
-#   bash bench/device_run.sh gpualone                                        then, in a call of its own, the 4 that start
+#   bash bench/device_run.sh gpualone                                        (then, in a call of its own, the 4 that start
 #        dflash on the GPU, one at a time: their preflight wants 16 GiB free)
 #   bash bench/device_run.sh dflash2 dflash2tests                            (issue 20: DFlash 2 step time, GPU tests)
 #   ARCH_SEEDS=0..7 ARCH_JOBS=16 bash bench/device_run.sh archtau            (issue 20's tau study on host CPUs)
