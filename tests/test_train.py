@@ -206,6 +206,21 @@ def test_compute_dtype_follows_precision():
     assert compute_dtype("cuda", "32-true") == torch.float32 and compute_dtype("cpu", "bf16-mixed") == torch.float32
 
 
+def test_the_head_is_loaded_ahead_onto_the_device_lightning_gives_the_rank():
+    """Issue 46: the head's check thread loads it where the training module will hold it: Lightning's
+    parallel_devices[local_rank] (the --gpus entry of this local rank), in the compute dtype."""
+    from stages.train_nodes import Topology
+    from stages.train_phases import Ranks, head_device
+
+    top = Topology(num_nodes=2, per_node=3, node=1, local=1, rank=4, env="lightning", external=False)
+    gpu = Ranks(use_gpu=True, accel="gpu", devs=[5, 6, 7], precision="bf16-mixed", top=top, launcher=False)
+    assert head_device(gpu) == (torch.device("cuda", 6), torch.bfloat16)
+    fp32 = Ranks(use_gpu=True, accel="gpu", devs=[5, 6, 7], precision="32-true", top=top, launcher=False)
+    assert head_device(fp32) == (torch.device("cuda", 6), torch.float32)
+    cpu = Ranks(use_gpu=False, accel="cpu", devs=2, precision="32-true", top=top, launcher=False)
+    assert head_device(cpu) == (torch.device("cpu"), torch.float32)
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_normalises_over_the_window(tiny_store, tmp_path):
     """Batch 1 x 3 accumulation through the real loader, module and Lightning loop: the optimizer sees the
