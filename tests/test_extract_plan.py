@@ -75,7 +75,7 @@ def test_time_estimate_follows_extract_fast_forward():
     assert "fast forward" in note and "11,398" in note
     assert "extract.fast_forward off" in ref_note and "8,977" in ref_note
     fp8, fp8_note = estimate_time(9_000_000, 5, WEIGHT_BYTES_27B, cuda=True, fp8_block=True)  # target_precision
-    assert fp8 == pytest.approx(9_000_000 / (15205 * 5)) and "15,205" in fp8_note and "block FP8" in fp8_note
+    assert fp8 == pytest.approx(9_000_000 / (15370 * 5)) and "15,370" in fp8_note and "block FP8" in fp8_note
 
 
 @pytest.mark.slow
