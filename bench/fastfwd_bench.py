@@ -107,8 +107,7 @@ def main(argv=None) -> None:
     ap.add_argument("--writers", default="thread",
                     help="comma list of store writers per encoding: thread (as shipped), null (no store write: the "
                          "ceiling of any writer change; the measured and not adopted variants are in "
-                         "docs/benchmarks-log.md, 'Experiments that left bench/'); thread@S: thread with Python's GIL "
-                         "switch interval at S seconds for that run (default 0.005)")
+                         "docs/benchmarks-log.md, 'Experiments that left bench/')")
     ap.add_argument("--no-reference", action="store_true", help="skip step 1 (transformers' forward; measured before)")
     ap.add_argument("--profile-batches", type=int, default=3, help="batches per profiled window (0: no profile)")
     ap.add_argument("--kernel-cache", default=None)
@@ -234,16 +233,9 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
         cold_s = run(enc, warm)[0] if warm else None
         for variant in a.writers.split(","):
             key = enc if variant == "thread" else f"{enc}/{variant}"
-            kind, _, switch = variant.partition("@")  # thread@0.0005: Python's GIL switch interval for this run
-            saved = sys.getswitchinterval()
-            sys.setswitchinterval(float(switch) if switch else saved)
-            try:
-                wall, before, stats = run(enc, batches, kind)
-            finally:
-                sys.setswitchinterval(saved)
+            wall, before, stats = run(enc, batches, variant)
             out["encodings"][key] = {"tok_s": n_tok / wall, "ratio_vs_bare": bare_s / wall, "wall_s": wall,
-                                     "ratio_before_drain": bare_s / before, "loop": stats, "writer": kind,
-                                     "switch_interval_s": float(switch) if switch else saved,
+                                     "ratio_before_drain": bare_s / before, "loop": stats, "writer": variant,
                                      "warmup": {"batches": len(warm), "tok_s": sum(b.numel() for b in warm) / cold_s}
                                      if warm else None}
             print(f"extract {key}: {n_tok / wall:.0f} tokens/s, {bare_s / wall:.3f} of the bare forward "

@@ -331,7 +331,7 @@ def fastfwd(c: Ctx) -> list:
     env = {"TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", kc), "TRITON_CACHE_AUTOTUNING": "1"}
     tiny = ["--tiny", "--device", "cpu", "--ops", "torch", "--batch", "1", "--seq", "32", "--reps", "1", "--batches",
             "1", "--encodings", "int5", "--warmup-batches", "1"]
-    opts = ["--profile-batches", c.var("FF_PROFILE", "3", "1"), "--writers", c.var("FF_WRITERS", "thread", "thread,null,thread@0.001"),
+    opts = ["--profile-batches", c.var("FF_PROFILE", "3", "1"), "--writers", c.var("FF_WRITERS", "thread", "thread,null"),
             *([] if c.var("FF_FP8", "1", "1") == "1" else ["--no-fp8-gemm"]),
             *([] if c.var("FF_REF", "1", "1") == "1" else ["--no-reference"]),
             "--fp8-scaling", c.var("FF_FP8_SCALING", "block", "block"),
