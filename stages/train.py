@@ -166,7 +166,7 @@ def _train(req: TrainRequest) -> int:
                                       command=req.command, ranks=ranks, strategy=strategy, task=task, data=data,
                                       callbacks=callbacks, resume_state=opened.resume_state, phases=phases)
     phases.mark("trainer")
-    if task.compiles(ranks.accel):  # the compile set-up's imports, while the head's check and load finish
+    if task.compiles("cuda" if ranks.use_gpu else "cpu"):  # Inductor's imports, while the head's check and load finish
         from pipeline.compile_setup import import_inductor
 
         import_inductor()

@@ -99,7 +99,7 @@ class DrafterTask(L.LightningModule):
     def compiles(self, device_type: str) -> bool:
         """Whether training compiles the drafter's layers on this device type (train.compile: on | auto = on CUDA)."""
         mode = self.cfg.train.compile
-        return mode == "on" or (mode == "auto" and device_type in ("cuda", "gpu"))
+        return mode == "on" or (mode == "auto" and device_type == "cuda")
 
     def on_fit_start(self) -> None:
         t0 = time.time()

@@ -66,3 +66,19 @@ def test_layers_compile_without_mix_order_reduction_and_nothing_else_changes(mon
     assert seen == [{"options": {"max_autotune": False}}] * 2
     if has:
         assert inductor_config.triton.mix_order_reduction == before
+
+
+def test_train_compile_auto_compiles_on_cuda_only():
+    """train.compile: on compiles on any device, auto on CUDA alone, off never (the device type comes from
+    torch.device, as Lightning places the rank; stages/train.py passes "cuda" for --gpus runs)."""
+    from types import SimpleNamespace
+
+    from stages.train_task import DrafterTask
+
+    def compiles(mode, device_type):
+        return DrafterTask.compiles(SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(compile=mode))),
+                                    device_type)
+
+    assert [compiles("on", d) for d in ("cuda", "cpu")] == [True, True]
+    assert [compiles("auto", d) for d in ("cuda", "cpu", "gpu")] == [True, False, False]
+    assert [compiles("off", d) for d in ("cuda", "cpu")] == [False, False]
