@@ -189,7 +189,7 @@ def main() -> None:
                      lin_head_dim=32, vocab=300, layer_ids=[1, 3, 5], seq=128, token_budget=512,
                      config=str(ROOT / "configs" / "tiny.yaml"), solo_samples=24,
                      train_set=["train.batch_size=2", "train.num_workers=1", "drafter.mask_token_id=3"])
-        a.train_s, a.extract_s, a.both_s = min(a.train_s, 4), min(a.extract_s, 12), min(a.both_s, 4)  # a rate each, not a figure
+        a.train_s, a.extract_s, a.both_s = min(a.train_s, 2), min(a.extract_s, 5), min(a.both_s, 2)  # a rate each, not a figure
     for k, v in shape.items():
         setattr(a, k, v)
     a.root = Path(a.root)

@@ -74,7 +74,7 @@ def command(a, stage: str, store: Path, run: Path, **kw) -> list[str]:
                 *gpus_or_cpu(a, "--train-gpus", kw["train"]), *sets(a, store, run)]
     if stage == "extract":
         return [*cli, "extract", "--config", a.config, *gpus_or_cpu(a, "--shards", str(kw["shards"])),
-                *sets(a, store, run)]
+                *sets(a, store, run), *[x for v in a.solo_extract_set for x in ("--set", v)]]
     return [*cli, "train", "--config", a.config, "--no-export", *gpus_or_cpu(a, "--gpus", kw["gpus"]),
             *sets(a, store, run)]
 
@@ -311,9 +311,12 @@ def main(argv=None) -> None:
     a.root = Path(a.root)
     a.root.mkdir(parents=True, exist_ok=True)
     a.layers, a.mean_len, a.max_len, a.config, a.extra_set = 64, 4500, 8192, str(ROOT / "configs" / "qwen3.6-27b.yaml"), []
+    a.solo_extract_set = []  # --set options of the extract phase only (the tiny size's smaller solo store)
     if a.tiny:
         a.layers, a.mean_len, a.max_len, a.config = 8, 96, 256, str(ROOT / "configs" / "tiny.yaml")
         a.samples = min(a.samples, 600)  # extraction still runs when training starts stepping (~15 s)
+        # the extract phase: a quarter of them, still many commits a shard (a rate each); train reads that store
+        a.solo_extract_set = [f"data.max_samples={a.samples // 4}"]
         a.run_s, a.train_s, a.startup_s, a.extract_limit_s = (min(a.run_s, 8), min(a.train_s, 6), min(a.startup_s, 150),
                                                               min(a.extract_limit_s, 200))
         a.extra_set = ["drafter.hidden_size=256", "target.num_feature_layers=3", "train.batch_size=4",

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,21 +129,88 @@ def test_parts_left_out_of_the_generic_run_have_their_own():
         assert name in PARTS and '"bench.parts", "run", "--tiny"' in src and f'"{name}"' in src, (name, test_file)
 
 
+# A part's tiny run is mostly start-up (imports in one process at a time), so two parts run side by side on the
+# suite's two cores: while a part's test waits for its run, the next selected parts start in the background as
+# soon as fewer than two run. node8 runs alone (nothing beside it, nothing started before it ends): its run phase
+# needs extraction still going when training steps, a balance a neighbour could tip.
+ALONE = {"node8"}
+SIDE_BY_SIDE = 2
+LIMIT_S = 1800  # one part's run, from its start
+
+
+class _Run:
+    """`python -m bench.parts run --tiny` of one part (after the part it needs) in its own directory: OUT is out/."""
+
+    def __init__(self, name: str, base: Path):
+        self.names = [AFTER[name], name] if name in AFTER else [name]
+        self.out, self.base, self.t0 = base / "out", base, time.monotonic()
+        with (base / "stdout.txt").open("w") as o, (base / "stderr.txt").open("w") as e:
+            self.p = subprocess.Popen([sys.executable, "-m", "bench.parts", "run", "--tiny", *self.names], cwd=ROOT,
+                                      stdout=o, stderr=e, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                                      env={**os.environ, "OUT": str(self.out), "CUDA_VISIBLE_DEVICES": ""})
+
+    def running(self) -> bool:
+        return self.p.poll() is None
+
+    def output(self) -> tuple[str, str]:
+        return tuple((self.base / f).read_text(errors="replace") for f in ("stdout.txt", "stderr.txt"))
+
+    def kill(self) -> None:
+        if self.running():
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+
+
+@pytest.fixture(scope="module")
+def part_runs():
+    runs: dict[str, _Run] = {}  # started, not yet checked by their test
+    yield runs
+    for run in runs.values():  # started for a test that did not run (a stopped session)
+        run.kill()
+
+
+def _selected_parts(request) -> list[str]:
+    """The parts of this function's selected tests, in order (only this one under pytest-xdist: another worker may
+    run the others)."""
+    items = [i for i in request.session.items if getattr(i, "originalname", None) == request.node.originalname]
+    if hasattr(request.config, "workerinput") or request.node.nodeid not in [i.nodeid for i in items]:
+        return [request.node.callspec.params["name"]]
+    return [i.callspec.params["name"] for i in items]
+
+
+def _start_next(runs: dict, after: list[str], factory) -> None:
+    """Start the parts in `after`, in order, while fewer than SIDE_BY_SIDE run; never an ALONE part or one past it."""
+    for name in after:
+        if name in ALONE or sum(r.running() for r in runs.values()) >= SIDE_BY_SIDE:
+            return
+        if name not in runs:
+            runs[name] = _Run(name, factory.mktemp(f"part-{name}"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [p for p in PARTS if p not in AFTER.values() and p not in DEDICATED])
-def test_part_runs_at_its_tiny_size_on_the_cpu(name, tmp_path):
-    """What `bash bench/device_run.sh smoke` runs, one part at a time: exit 0 and every --out file written."""
-    names = [AFTER[name], name] if name in AFTER else [name]
-    r = subprocess.run([sys.executable, "-m", "bench.parts", "run", "--tiny", *names], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}, timeout=1800)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    for n in names:
-        for s in steps_of(n, tmp_path, True):
+def test_part_runs_at_its_tiny_size_on_the_cpu(name, part_runs, request, tmp_path_factory):
+    """What `bash bench/device_run.sh smoke` runs, each part in its own run (two side by side, see above): exit 0
+    and every --out file written."""
+    queue = _selected_parts(request)
+    after = [] if name in ALONE else queue[queue.index(name) + 1:]
+    run = part_runs.pop(name, None) or _Run(name, tmp_path_factory.mktemp(f"part-{name}"))
+    while run.running():
+        if time.monotonic() - run.t0 > LIMIT_S:
+            run.kill()
+            pytest.fail(f"{name}: still running after {LIMIT_S} s")
+        _start_next(part_runs, after, tmp_path_factory)
+        time.sleep(0.5)
+    _start_next(part_runs, after, tmp_path_factory)
+    stdout, stderr = run.output()
+    assert run.p.returncode == 0, stdout[-4000:] + stderr[-2000:]
+    for n in run.names:
+        for s in steps_of(n, run.out, True):
             outs = [s.argv[i + 1] for i, a in enumerate(s.argv[:-1]) if a == "--out" and s.argv[i + 1].endswith(".json")]
             for o in outs:
-                assert Path(o).is_file(), f"{n}: {o} not written\n{r.stdout[-3000:]}"
+                assert Path(o).is_file(), f"{n}: {o} not written\n{stdout[-3000:]}"
             for _src, dst in s.copy:  # a study's rows reached OUT
-                assert Path(dst).exists(), f"{n}: {dst} not copied\n{r.stdout[-3000:]}"
+                assert Path(dst).exists(), f"{n}: {dst} not copied\n{stdout[-3000:]}"
 
 
 def test_fastfwd_runs_the_named_gpu_test_files_side_by_side_on_the_gpu_only(tmp_path, monkeypatch):
@@ -163,14 +231,19 @@ def test_fastfwd_runs_the_named_gpu_test_files_side_by_side_on_the_gpu_only(tmp_
 
 def test_a_step_stopped_at_its_limit_gets_sigint_first_so_it_can_report(tmp_path):
     """pytest prints its summary on SIGINT (a SIGKILL lost the names of a cut GPU run's tests, 2026-12-01)."""
-    # the import inside the try: a SIGINT during a slow start (a busy machine) is still the one it reports on
-    code = ("try:\n    import time\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('summary: 3 passed', "
-            "flush=True)\n    raise SystemExit(2)\n")
-    step = Step([sys.executable, "-c", code], "cut.log", timeout=10)  # Python starts within 10 s on a busy machine
+    # the step starts with SIGINT blocked (a child inherits the signal mask) and unblocks it inside the try: a
+    # SIGINT that comes during a slow start (a busy machine) waits, pending, and is still the one it reports on,
+    # so the limit can be short (it was 10 s, a guess at Python's start-up on a busy machine)
+    code = ("try:\n    import signal, time\n    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
+            "    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('summary: 3 passed', flush=True)\n"
+            "    raise SystemExit(2)\n")
+    step = Step([sys.executable, "-c", code], "cut.log", timeout=1)
     saved = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job (`.ci/run &`): the runner undoes it
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         assert run_steps([step], tmp_path) == 1
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGINT, saved)
     assert "summary: 3 passed" in (tmp_path / "cut.log").read_text()
 
