@@ -15,7 +15,7 @@ import zarr
 
 from pipeline import store as st
 
-from helpers_cli import HANG_S  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -36,10 +36,12 @@ def _start(store, **popen):
 
 
 def _start_training(store, run, *extra, **popen):
-    """`dflash train` on 2 CPU ranks for a long schedule (the test stops it)."""
+    """`dflash train` on 2 CPU ranks for a long schedule (the test stops it); 8 anchor blocks a sample
+    (helpers_cli.FEW_ANCHORS): the tests prove signals and processes, not learning."""
     return subprocess.Popen([sys.executable, "-m", "stages.cli", "train", "--config", TINY, "--store", store,
-                             "--devices", "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50", *extra,
-                             "--no-export"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, **popen)
+                             "--devices", "2", "--set", f"train.run_dir={run}", "--set", "train.epochs=50",
+                             *FEW_ANCHORS, *extra, "--no-export"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            **popen)
 
 
 def _press_ctrl_c(p, presses: int, gap: float, timeout: float) -> tuple[int, str]:
@@ -144,8 +146,7 @@ def test_training_sigterm_stops_all_ranks_with_resume_hint(tiny_store, tmp_path)
     err = p.stderr.read()
     print(err)  # whole, in a failure report
     assert rc == 130 and "--resume" in err and "stopped at step" in err
-    time.sleep(2)
-    left = _run_processes(run)
+    left = _run_processes(run, timeout=HANG_S)  # returns once none is left: a hang guard, not a speed bound
     assert not left, f"processes left behind: {left}"
     assert (run / "checkpoints" / "last.ckpt").exists()
     assert (run / "logs" / "rank0.log").exists() and (run / "logs" / "rank1.log").exists()
@@ -316,7 +317,6 @@ def test_training_kill9_leaves_no_loader_workers(tiny_store, tmp_path, devices):
                           "--devices", str(devices), "--no-export"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     _wait_until((run / "progress.json").exists)
-    time.sleep(3)  # every rank's loader is up
 
     def children(pid):  # all descendants
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
@@ -334,9 +334,14 @@ def test_training_kill9_leaves_no_loader_workers(tiny_store, tmp_path, devices):
         except OSError:
             return ""
 
-    kids = children(p.pid)
-    servers = {k for k in kids if "forkserver" in cmdline(k) and "forkserver" not in cmdline(_ppid(k))}
-    workers = [k for k in kids if "spawn_main" in cmdline(k) or _ppid(k) in servers]  # forked by data/loader_workers
+    def processes():  # -> (all descendants, the loader workers among them)
+        kids = children(p.pid)
+        servers = {k for k in kids if "forkserver" in cmdline(k) and "forkserver" not in cmdline(_ppid(k))}
+        return kids, [k for k in kids if "spawn_main" in cmdline(k) or _ppid(k) in servers]  # data/loader_workers
+
+    # every rank's loader is up: polled (a hang guard only), not a fixed sleep a busy machine could outrun
+    _wait_until(lambda: p.poll() is not None or len(processes()[1]) >= 2 * devices)
+    kids, workers = processes()
     assert len(workers) >= 2 * devices, kids  # each rank's loader workers (besides servers and resource trackers)
     p.send_signal(signal.SIGKILL)
     p.wait()

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from helpers_cli import HANG_S, ROOT, TINY, dflash
+from helpers_cli import FEW_ANCHORS, HANG_S, ROOT, TINY, dflash
 from pipeline.ckpt_io import load_training_checkpoint
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -45,18 +45,30 @@ def _rows(run):
                 for r in csv.DictReader(f)]
 
 
+def _args(store, run):
+    """The run both kill tests interrupt: 6 steps of 8 samples on the session's 48-sample store (tests/conftest.py:
+    small_store; training only reads it), a checkpoint and a validation every 2 steps; 8 anchor blocks a sample
+    (helpers_cli.FEW_ANCHORS): they prove bookkeeping, not learning."""
+    return ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}", "--set",
+            "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=6", "--set",
+            "train.checkpoint_every=2", "--set", "train.val_every=2", "--set", "train.log_every=1",
+            "--set", "train.lr=0.02", "--no-export", *FEW_ANCHORS]
+
+
+@pytest.fixture(scope="module")
+def ref(small_store, tmp_path_factory):
+    """The uninterrupted run of `_args`, built once for both kill tests (they only read it)."""
+    run = tmp_path_factory.mktemp("resume-edges-ref") / "ref"
+    dflash(*_args(small_store, run))
+    return run
+
+
 @pytest.mark.slow
-def test_a_validation_the_kill_skipped_runs_on_resume(small_store, tmp_path):
-    store = small_store  # the session's 48-sample store (tests/conftest.py): training only reads it
-
+def test_a_validation_the_kill_skipped_runs_on_resume(small_store, ref, tmp_path):
     def args(run):
-        return ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}", "--set",
-                "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=6", "--set",
-                "train.checkpoint_every=2", "--set", "train.val_every=2", "--set", "train.log_every=1",
-                "--set", "train.lr=0.02", "--no-export"]
+        return _args(small_store, run)
 
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    dflash(*args(ref))
+    run = tmp_path / "run"
     p = subprocess.run([sys.executable, "-c", _KILL_AT_VALIDATION_OF_STEP_4, *args(run)], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
@@ -143,22 +155,18 @@ def _names(d):
 
 
 @pytest.mark.slow
-def test_killed_twice_between_a_save_and_the_old_ones_removal_resumes_bit_identical(tiny_store, tmp_path):
+def test_killed_twice_between_a_save_and_the_old_ones_removal_resumes_bit_identical(small_store, ref, tmp_path):
     from pipeline.ckpt_io import relink
 
     def args(run):
-        return ["train", "--config", TINY, "--store", tiny_store, "--set", f"train.run_dir={run}", "--set",
-                "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=6", "--set",
-                "train.checkpoint_every=2", "--set", "train.val_every=2", "--set", "train.log_every=1",
-                "--set", "train.lr=0.02", "--no-export"]
+        return _args(small_store, run)
 
     def killed(run, where, *extra):
         p = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_SAVE_AND_REMOVAL, *args(run), *extra], cwd=ROOT,
                            env={**ENV, "DFLASH_TEST_KILL": where}, capture_output=True, text=True, timeout=HANG_S)
         assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
 
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    dflash(*args(ref))
+    run = tmp_path / "run"
     ckpts = run / "checkpoints"
     killed(run, "val2")  # the first kill: the resume is from the first checkpoint
     assert os.readlink(ckpts / "last.ckpt") == "step2.ckpt"
