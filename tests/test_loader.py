@@ -73,6 +73,7 @@ def test_accumulation_windows_carry_their_windows_weight():
     assert run(4, 1, 0) == [1.0, 2.0, 4.0, 8.0]
 
 
+@pytest.mark.slow  # a parent, its killed trainer and a loader worker: several processes
 def test_worker_exits_when_its_parent_died_before_worker_init(tmp_path):
     """A loader worker still importing when its training process dies sees getppid() == 1 by the time
     worker_init runs; comparing with that would never notice (torch's own check has this blind spot, and CI
@@ -123,6 +124,7 @@ if __name__ == "__main__":
         raise AssertionError("the orphaned worker kept running after worker_init")
 
 
+@pytest.mark.slow  # a trainer, the forkserver and its workers: several processes
 def test_forkserver_workers_start_imported_and_exit_with_a_killed_trainer(tmp_path, monkeypatch):
     """The loaders' workers fork from data/loader_workers.py's forkserver (torch already imported there; a
     spawned worker imported it again, 2-4 s before the first batch on this machine). Their parent is then the

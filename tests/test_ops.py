@@ -188,6 +188,7 @@ time.sleep(60)                                          # a teardown waiting on 
     assert "press Ctrl-C again to force" in err and "forced stop" in err
 
 
+@pytest.mark.slow  # a launcher and its rank, two processes (and a 1.5 s wait)
 def test_second_ctrl_c_in_a_rank_waits_for_its_launcher(tmp_path):
     """A rank Lightning started must not leave before its launcher on a second Ctrl-C: Lightning's process
     observer in the launcher SIGKILLs every process when a rank exits non-zero, so the job ended with -9
