@@ -1,6 +1,7 @@
 """Shared pytest setup: GPU tests run only where CUDA exists; everything else runs on 2 CPU cores. Session
 fixtures built once for the whole run: the tiny store (`tiny_store`, copied by tests that change it through
-`tiny_store_copy`), the small one-shard store (`small_store`) and the tiny hybrid target (`hybrid`). The CLI runner is tests/helpers_cli.py."""
+`tiny_store_copy`), the small one-shard store (`small_store`), the tiny hybrid target (`hybrid`) and the quality
+run (`quality_run`: a store of 800 samples and the drafter trained on it). The CLI runner is tests/helpers_cli.py."""
 
 import os
 
@@ -60,6 +61,25 @@ def small_store(tmp_path_factory) -> str:
     r = dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=48")
     assert "complete" in r.stderr, r.stderr[-3000:]
     return store
+
+
+@pytest.fixture(scope="session")
+def quality_run(tmp_path_factory):
+    """(store, run): 800 tiny-chat samples extracted into one shard and the drafter trained on them for 3 epochs
+    (batch 4), built once per session for test_eval's quality test, test_sampling_eval (eval at temperature 0.7)
+    and test_best_ckpt (its --init-from donor); each trained a drafter of its own before. Shared: read it, never
+    change it (training and eval only read a store; eval writes its report to --out and replaces the export's
+    dflash_tau.json record, which none of its readers looks at)."""
+    from helpers_cli import TINY, dflash
+
+    d = tmp_path_factory.mktemp("quality")
+    store, run = str(d / "store.zarr"), d / "run"
+    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=800")
+    train = ["train.batch_size=4", "train.epochs=3", "train.num_workers=0", "train.val_every=1000",
+             "train.checkpoint_every=1000"]
+    dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}",
+           *[x for item in train for x in ("--set", item)])
+    return store, run
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from helpers_cli import TINY, dflash
 from pipeline.config import ConfigError
 from stages.best_checkpoint import BestCheckpoint, best_files, choose_checkpoint, resolve_checkpoint
 from stages.export import checkpoint_kind
+from helpers_cli import dflash_all  # independent commands side by side
 
 
 def _ckpt(path: Path, step: int, tau, val_step=None) -> Path:
@@ -142,13 +143,12 @@ def _val_taus(run: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_best_is_exported_resume_keeps_it_and_eval_names_it(tmp_path):
-    store = str(tmp_path / "store.zarr")
-    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=240")
+def test_best_is_exported_resume_keeps_it_and_eval_names_it(quality_run, tiny_store, tmp_path):
+    store = tiny_store  # the session's (tests/conftest.py: 240 samples); training and eval only read it
     common = ["--config", TINY, "--store", store, "--set", "train.num_workers=0", "--set", "train.batch_size=8"]
-    # a drafter that has learned something (tau ~1.2 after 20 steps) ...
-    donor = tmp_path / "donor"
-    dflash("train", *common, "--set", f"train.run_dir={donor}", "--set", "train.max_steps=20")
+    # a drafter that has learned something (conftest's quality run, built once per session: tau ~2 offline; this
+    # test trained a donor of its own before, tau ~1.2 after 20 steps) ...
+    donor = quality_run[1]
     # ... then trained on with a learning rate that rises to 0.05 (warmup over the whole run): it gets worse, so
     # the best validation is an early one, not the last
     run = tmp_path / "run"
@@ -177,18 +177,24 @@ def test_best_is_exported_resume_keeps_it_and_eval_names_it(tmp_path):
     assert len(taus) == 10, taus
     best_i = max(range(10), key=lambda i: (taus[i], -i))
     assert [(s, round(t, 6)) for t, s, _ in best_files(run / "checkpoints")] == [(best_i + 1, round(taus[best_i], 6))]
+    # four commands that only read the run (eval writes to its --out, and the export's tau record beside the
+    # weights, which none of the others reads), side by side: the two exports and the two evals below
+    ckpt = run / "checkpoints" / "last.ckpt"
+    again, last, ev, ev2 = dflash_all(
+        ["export", run, tmp_path / "again"], ["export", run, tmp_path / "last", "--which", "last"],
+        ["eval", run / "export", "--store", store, "--max-samples", "4", "--out", tmp_path / "ev"],
+        ["eval", ckpt, "--store", store, "--max-samples", "4", "--out", tmp_path / "ev2"])
     # dflash export on the run directory: the best by default, the last when asked
-    r = dflash("export", str(run), str(tmp_path / "again"))
+    r = again
     assert f"exported step {best_i + 1} (best val tau" in r.stdout
-    r = dflash("export", str(run), str(tmp_path / "last"), "--which", "last")
+    r = last
     assert "exported the last step, 10" in r.stdout and "as asked" in r.stdout
     assert json.loads((tmp_path / "last" / "dflash_meta.json").read_text())["selected"] == "last"
     # dflash eval says what it evaluated, in its output and its report
-    r = dflash("eval", str(run / "export"), "--store", store, "--max-samples", "4", "--out", str(tmp_path / "ev"))
+    r = ev
     assert f"eval: evaluating export {run / 'export'} (from checkpoint" in r.stderr
     assert f"step {step}, the run's best by val tau" in r.stderr
     origin = json.loads((tmp_path / "ev" / "report.json").read_text())["drafter"]["origin"]
     assert origin["selected"] == "best" and origin["step"] == step
-    ckpt = run / "checkpoints" / "last.ckpt"
-    r = dflash("eval", str(ckpt), "--store", store, "--max-samples", "4", "--out", str(tmp_path / "ev2"))
+    r = ev2
     assert f"eval: evaluating checkpoint {ckpt} (step 10, the run's last, val tau" in r.stderr, r.stderr[-2000:]

@@ -156,11 +156,11 @@ def test_init_from_and_eval_of_an_export_never_import_its_modeling_file(tmp_path
 
 
 def _train(*args: str, check: bool = True):
-    from helpers_cli import TINY_STORE_OPTS, dflash
+    from helpers_cli import FEW_ANCHORS, TINY_STORE_OPTS, dflash
 
     return dflash("train", "--config", TINY, *TINY_STORE_OPTS, "--set", "train.num_workers=0", "--set",
-                  "train.batch_size=8", "--set", "train.val_every=1000", "--set", "train.checkpoint_every=2", *args,
-                  check=check)
+                  "train.batch_size=8", "--set", "train.val_every=1000", "--set", "train.checkpoint_every=2",
+                  *FEW_ANCHORS, *args, check=check)
 
 
 @pytest.mark.slow  # three tiny `dflash train` runs (~10 s each on 2 busy cores)

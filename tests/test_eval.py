@@ -16,6 +16,7 @@ from stages.eval import offline_eval, select_anchors
 from stages.speculate import TargetRunner, dflash_draft_fn, greedy_decode, speculative_decode
 
 from helpers_cli import dflash as _dflash  # noqa: E402
+from helpers_cli import dflash_all  # noqa: E402 - independent commands side by side
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -276,9 +277,6 @@ def test_eval_reports_a_lossless_violation_loudly(monkeypatch, tmp_path, capsys)
 # Measured (2 CPU cores, tiny target, 800 samples, batch 4, 3 epochs = ~540 steps, ~45 s of training):
 # offline uniform tau 2.05, serving walk 2.11, online 1.81-1.93 (8-16 prompts); val/tau 2.18. A label shift,
 # a layer offset or a context mask that differs between training and serving leaves tau near 1.0.
-QUALITY_SAMPLES = 800
-QUALITY_TRAIN = ["train.batch_size=4", "train.epochs=3", "train.num_workers=0", "train.val_every=1000",
-                 "train.checkpoint_every=1000"]
 OFFLINE_TAU_FLOOR = 1.6
 ONLINE_TAU_FLOOR = 1.4
 
@@ -288,14 +286,14 @@ def _sets(items):
 
 
 @pytest.mark.slow
-def test_quality_regression_tiny(tmp_path):
-    store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
-    _dflash("extract", "--config", TINY, "--shards", "1", "--store", store,
-            "--set", f"data.max_samples={QUALITY_SAMPLES}")
-    _dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}", *_sets(QUALITY_TRAIN))
-    out = tmp_path / "eval"
-    _dflash("eval", str(run / "export"), "--store", store, "--online", "--out", str(out),
-            "--set", "eval.num_prompts=12", "--set", "eval.max_anchors_per_sample=32")
+def test_quality_regression_tiny(quality_run, tmp_path):
+    store, run = quality_run
+    out, out_ckpt = tmp_path / "eval", tmp_path / "eval-ckpt"
+    # the export's eval and, side by side (they only read the run), the checkpoint's (compared at the end)
+    dflash_all(["eval", run / "export", "--store", store, "--online", "--out", out,
+                "--set", "eval.num_prompts=12", "--set", "eval.max_anchors_per_sample=32"],
+               ["eval", run / "checkpoints" / "last.ckpt", "--store", store, "--out", out_ckpt,
+                "--set", "eval.max_anchors_per_sample=32"])
     report = json.loads((out / "report.json").read_text())
     off, on = report["offline"], report["online"]
     assert on["mismatches"] == 0 and on["lossless"]
@@ -310,8 +308,5 @@ def test_quality_regression_tiny(tmp_path):
     for name in report["plots"]:
         assert (out / name).stat().st_size > 5000
     # the same drafter evaluated from its training checkpoint (fp32) instead of the export (bf16 weights)
-    out_ckpt = tmp_path / "eval-ckpt"
-    _dflash("eval", str(run / "checkpoints" / "last.ckpt"), "--store", store, "--out", str(out_ckpt),
-            "--set", "eval.max_anchors_per_sample=32")
     off_ckpt = json.loads((out_ckpt / "report.json").read_text())["offline"]
     assert abs(off_ckpt["tau"] - off["tau"]) < 0.05 * off["tau"], (off_ckpt["tau"], off["tau"])

@@ -23,6 +23,7 @@ from pipeline.encoding import decode, from_storage
 from pipeline.target import FeatureCapture, capture_features, load_target, truncate_layers
 
 from helpers_cli import HANG_S, TINY_STORE_OPTS, dflash  # noqa: E402
+from helpers_cli import dflash_all, dflash_each  # noqa: E402 - side by side / refusals in one subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -62,11 +63,11 @@ def test_two_shards_store_is_complete_and_valid(two_shard_store, tiny_store_copy
     assert len(reader.samples) == 240
     assert len({s.sample_id for s in reader.samples}) == 240
     assert {s.shard for s in reader.samples} == {0, 1}
-    v = dflash("verify", two_shard_store)
+    # verify and inspect read the store, the rerun its copy: side by side (each must exit 0)
+    v, i, again = dflash_all(["verify", two_shard_store], ["inspect", two_shard_store],
+                             ["extract", "--config", TINY, "--shards", "2", "--store", tiny_store_copy, *SMALL])
     assert "is valid" in v.stdout
-    i = dflash("inspect", two_shard_store)
     assert "B/token" in i.stdout and "[0] done" in i.stdout and "[1] done" in i.stdout
-    again = dflash("extract", "--config", TINY, "--shards", "2", "--store", tiny_store_copy, *SMALL)
     assert "nothing to do" in again.stderr
 
 
@@ -195,8 +196,10 @@ def test_resumed_store_is_bitwise_equal_with_same_plan(tmp_path):
     """Kill -9 mid-run and resume with the same batch plan: the features are bit-for-bit identical."""
     ref, store = str(tmp_path / "ref.zarr"), str(tmp_path / "k.zarr")
     opts = [*SMALL, "--set", "extract.token_budget=512", "--set", "data.max_samples=60"]
-    dflash("extract", "--config", TINY, "--shards", "1", "--store", ref, *opts)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    with open(tmp_path / "ref.log", "w") as log:  # the uninterrupted reference, beside the run killed below
+        ref_run = subprocess.Popen([sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "1",
+                                    "--store", ref, *opts], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
     q = subprocess.Popen([sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "1",
                           "--store", store, *opts], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + HANG_S
@@ -212,34 +215,36 @@ def test_resumed_store_is_bitwise_equal_with_same_plan(tmp_path):
         os.kill(int(pid), signal.SIGKILL)
     q.wait(timeout=HANG_S)
     dflash("extract", "--config", TINY, "--shards", "1", "--store", store, *opts)
+    assert ref_run.wait(timeout=HANG_S) == 0, (tmp_path / "ref.log").read_text()[-3000:]  # a hang guard only
     assert _store_content(store) == _store_content(ref)
 
 
-@pytest.mark.slow  # four extract subprocesses: ~12 s
+@pytest.mark.slow  # four refusing extract commands in one subprocess (helpers_cli.dflash_each)
 def test_refusals(tmp_path, tiny_store_copy):
     two_shard_store = tiny_store_copy
+    other = tmp_path / "other.zarr"
+    zarr.open_group(str(other), mode="w", attributes={"hello": 1})
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     # four ways this run differs from the one that made the store: one refusal names each on its own line
-    # (provenance_differences in pipeline/provenance.py), so one subprocess proves all four (they were four)
-    r = dflash("extract", "--config", TINY, "--shards", "3", "--store", two_shard_store, *SMALL,
-               "--set", "target.layer_ids=[1,2,3]", "--set", "store.encoding=fp8", "--set", "data.enable_thinking=true",
-               check=False)
+    # (provenance_differences in pipeline/provenance.py), so one command proves all four (they were four)
+    r, foreign, no_samples, fingerprint = dflash_each(
+        ["extract", "--config", TINY, "--shards", "3", "--store", two_shard_store, *SMALL,
+         "--set", "target.layer_ids=[1,2,3]", "--set", "store.encoding=fp8", "--set", "data.enable_thinking=true"],
+        ["extract", "--config", TINY, "--store", str(other), *SMALL],
+        ["extract", "--config", TINY, "--store", str(tmp_path / "e.zarr"), "--set",
+         f"data.train_files=[{empty}]", "--set", "data.validation_files=[]"],
+        ["extract", "--config", TINY, "--shards", "2", "--store", two_shard_store,
+         "--set", "data.max_samples=100", "--set", "extract.token_budget=2048"])
     assert r.returncode == 2 and "different run" in r.stderr, r.stderr[-3000:]
     lines = r.stderr.splitlines()
     for says in ("layer_ids: store has [1, 3, 5], this run has [1, 2, 3]", "num_shards: store has 2, this run has 3",
                  "encoding: store has 'bf16', this run has 'fp8'", "enable_thinking: store has False, this run has True"):
         assert sum(says in x for x in lines) == 1, (says, r.stderr[-3000:])
-    other = tmp_path / "other.zarr"
-    zarr.open_group(str(other), mode="w", attributes={"hello": 1})
-    r = dflash("extract", "--config", TINY, "--store", str(other), *SMALL, check=False)
-    assert r.returncode == 2 and "not a dflash store" in r.stderr
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    r = dflash("extract", "--config", TINY, "--store", str(tmp_path / "e.zarr"), "--set",
-               f"data.train_files=[{empty}]", "--set", "data.validation_files=[]", check=False)
+    assert foreign.returncode == 2 and "not a dflash store" in foreign.stderr, foreign.stderr[-3000:]
+    r = no_samples
     assert r.returncode == 2 and ("no samples" in r.stderr.lower() or "empty" in r.stderr.lower()), r.stderr
-    r = dflash("extract", "--config", TINY, "--shards", "2", "--store", two_shard_store,
-               "--set", "data.max_samples=100", "--set", "extract.token_budget=2048", check=False)
-    assert r.returncode == 2 and "dataset.fingerprint" in r.stderr
+    assert fingerprint.returncode == 2 and "dataset.fingerprint" in fingerprint.stderr, fingerprint.stderr[-3000:]
 
 
 def test_unwritable_store_path_fails_clearly(tmp_path):

@@ -234,6 +234,19 @@ def test_kernel_preflight_lines(monkeypatch):
     assert "causal conv1d on flash-linear-attention's Triton kernel" in kn.kernel_report(types, "cuda", True)
 
 
+def _side_by_side(runs, tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    """Independent processes ((argv, env) each, run in ROOT) at once, their start-ups overlapping on the 2 cores;
+    each waited for as subprocess.run(..., capture_output=True, text=True, timeout=HANG_S) does (a hang guard)."""
+    procs = []
+    for i, (argv, env) in enumerate(runs):
+        with open(tmp_path / f"side-{i}.out", "w") as out, open(tmp_path / f"side-{i}.err", "w") as err:
+            procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, text=True))
+    codes = [p.wait(timeout=HANG_S) for p in procs]
+    return [subprocess.CompletedProcess(argv, rc, (tmp_path / f"side-{i}.out").read_text(),
+                                        (tmp_path / f"side-{i}.err").read_text())
+            for i, ((argv, _), rc) in enumerate(zip(runs, codes))]
+
+
 @pytest.mark.slow
 def test_kernels_transformers_binds_are_the_ones_reported(tmp_path):
     """With an importable `fla` (a stand-in package here), transformers binds its kernels and both the preflight
@@ -246,9 +259,11 @@ def test_kernels_transformers_binds_are_the_ones_reported(tmp_path):
                                       "def fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw): raise RuntimeError\n")
     code = ("import json; from pipeline.kernels import available, resolved_kernels; "
             "print(json.dumps([available(), resolved_kernels()]))")
-    for site, expect in ((None, "transformers.models.qwen3_5"), (str(tmp_path / "site"), "fla.ops.gated_delta_rule")):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, str(ROOT)]))}
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
+    cases = ((None, "transformers.models.qwen3_5"), (str(tmp_path / "site"), "fla.ops.gated_delta_rule"))
+    outs = _side_by_side([([sys.executable, "-c", code],  # the two processes side by side
+                           {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, str(ROOT)]))})
+                          for site, _ in cases], tmp_path)
+    for (site, expect), out in zip(cases, outs):
         have, bound = json.loads(out.stdout.strip().splitlines()[-1])
         assert (have["fla"] is not None) == (site is not None)
         assert bound["chunk_gated_delta_rule"].startswith(expect), bound
@@ -400,9 +415,12 @@ def test_kernel_autotuning_is_paid_once_per_machine(tmp_path):
 def test_benchmarks_run_on_cpu_at_a_tiny_size(tmp_path):
     """bench/extract_bench.py --arch qwen3_5 and bench/load_bench.py, as the GPU parts call them, at a tiny size."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "bench/extract_bench.py", "--tiny", "--device", "cpu", "--tokens", "400",
-                        "--encodings", "int5", "--out", str(tmp_path / "x.json")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=HANG_S)
+    # the two scripts side by side (independent: their own outputs and directories)
+    r, r_load = _side_by_side(
+        [([sys.executable, "bench/extract_bench.py", "--tiny", "--device", "cpu", "--tokens", "400", "--encodings",
+           "int5", "--out", str(tmp_path / "x.json")], env),
+         ([sys.executable, "bench/load_bench.py", "--tiny", "--device", "cpu", "--layers", "4", "--dir",
+           str(tmp_path / "ckpt"), "--out", str(tmp_path / "l.json")], env)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     x = json.loads((tmp_path / "x.json").read_text())
     assert x["arch"] == "qwen3_5" and x["layers_built"] == 6 and x["layer_ids"] == [1, 2, 3, 4, 5]
@@ -410,9 +428,7 @@ def test_benchmarks_run_on_cpu_at_a_tiny_size(tmp_path):
     assert x["forward"].startswith("target forward: transformers' reference (CPU")  # the fast forward is CUDA-only
     assert x["encodings"]["int5"]["ratio_vs_bare"] > 0 and "extract_meets_goal" in x["goals"]
     assert "goals (one H200)" in r.stdout and "CPU: transformers' torch reference paths" in r.stdout
-    r = subprocess.run([sys.executable, "bench/load_bench.py", "--tiny", "--device", "cpu", "--layers", "4",
-                        "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "l.json")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=HANG_S)
+    r = r_load
     assert r.returncode == 0, r.stderr[-3000:]
     loads = json.loads((tmp_path / "l.json").read_text())["loads"]
     assert loads["dflash"]["layers"] == loads["old"]["layers"] == 4

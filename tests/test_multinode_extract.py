@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,12 +15,13 @@ import numpy as np
 import pytest
 import zarr
 
-from helpers_cli import HANG_S, TINY, TINY_STORE_OPTS, dflash
+from helpers_cli import TINY, dflash, dflash_all, dflash_each  # side by side / refusals in one subprocess
 from pipeline import store as st
 from pipeline.provenance import create_or_open_store
 
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+# 80 samples (20 a shard, ~1,100 tokens: two or more batches each at this token budget); the equality with one node
+# needs no more (it ran with the session tiny store's options before: 240 samples at 4,096 tokens)
+OPTS = ["--set", "data.max_samples=80", "--set", "extract.token_budget=1024"]
 
 
 def _content(path: str) -> dict:
@@ -41,16 +39,13 @@ def _content(path: str) -> dict:
 @pytest.mark.slow
 def test_two_nodes_extract_disjoint_shard_sets_into_one_store_equal_to_one_node(tmp_path):
     ref, store = str(tmp_path / "one-node.zarr"), str(tmp_path / "two-nodes.zarr")
-    dflash("extract", "--config", TINY, "--shards", "4", "--store", ref, *TINY_STORE_OPTS)
-    procs = [subprocess.Popen([sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "4",
-                               "--shard-index", shards, "--store", store, *TINY_STORE_OPTS], cwd=ROOT, env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for shards in ("0,3", "1-2")]
-    outs = [p.communicate(timeout=HANG_S) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    assert "finished shard(s) [0, 3]" in outs[0][1] and "finished shard(s) [1, 2]" in outs[1][1]
-    assert "complete" in outs[0][1] + outs[1][1]  # whichever finished last saw the whole store done
+    # the one-node reference and the two nodes' calls, all at once (each exits 0, or the test fails with its output)
+    _, *nodes = dflash_all(["extract", "--config", TINY, "--shards", "4", "--store", ref, *OPTS],
+                           *[["extract", "--config", TINY, "--shards", "4", "--shard-index", shards, "--store", store,
+                              *OPTS] for shards in ("0,3", "1-2")])
+    outs = [r.stderr for r in nodes]
+    assert "finished shard(s) [0, 3]" in outs[0] and "finished shard(s) [1, 2]" in outs[1]
+    assert "complete" in outs[0] + outs[1]  # whichever finished last saw the whole store done
     got, want = _content(store), _content(ref)
     assert got.keys() == want.keys()
     for k in want:
@@ -123,14 +118,17 @@ def test_shard_sets_parse_and_ambiguous_combinations_are_refused():
     assert shard_gpus(None, 8, 5, 4) == {5: 0}  # one shard, as before
 
 
-@pytest.mark.slow  # one dflash subprocess per refusal
-@pytest.mark.parametrize("value, text", [("0-9", "error: --shard-index 0-9: shard(s) [4, 5, 6, 7, 8, 9] out of range "
-                                                  "for --shards 4"), ("1,1", "names a shard twice"),
-                                         ("x", "'x': expected shard indices such as 3, 0-4")])
-def test_cli_refuses_a_bad_shard_set_before_writing(tmp_path, value, text):
-    store = tmp_path / "s.zarr"
-    r = dflash("extract", "--config", TINY, "--shards", "4", "--shard-index", value, "--store", str(store), check=False)
-    assert r.returncode == 2 and text in r.stderr, r.stderr
-    errors = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("extract: config ")]  # start-up line
-    assert value == "x" or len(errors) == 1, r.stderr  # (click's own usage error: 3 lines)
-    assert not store.exists()
+BAD_SETS = [("0-9", "error: --shard-index 0-9: shard(s) [4, 5, 6, 7, 8, 9] out of range for --shards 4"),
+            ("1,1", "names a shard twice"), ("x", "'x': expected shard indices such as 3, 0-4")]
+
+
+@pytest.mark.slow  # the three refusals: three commands, one subprocess (helpers_cli.dflash_each)
+def test_cli_refuses_a_bad_shard_set_before_writing(tmp_path):
+    stores = [tmp_path / f"s{i}.zarr" for i in range(len(BAD_SETS))]
+    runs = dflash_each(*[["extract", "--config", TINY, "--shards", "4", "--shard-index", value, "--store", str(store)]
+                         for (value, _), store in zip(BAD_SETS, stores)])
+    for (value, text), store, r in zip(BAD_SETS, stores, runs):
+        assert r.returncode == 2 and text in r.stderr, (value, r.stderr)
+        errors = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("extract: config ")]  # start-up line
+        assert value == "x" or len(errors) == 1, r.stderr  # (click's own usage error: 3 lines)
+        assert not store.exists(), value

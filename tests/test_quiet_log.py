@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers_cli import TINY, dflash
+from helpers_cli import FEW_ANCHORS, TINY, dflash
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -170,7 +170,7 @@ def test_train_prints_only_its_own_lines(tiny_store, tmp_path):
     run = tmp_path / "run"
     r = dflash("train", "--config", TINY, "--store", tiny_store, "--set", f"train.run_dir={run}", "--set",
                "train.max_steps=8", "--set", "train.val_every=4", "--set", "train.checkpoint_every=4", "--set",
-               "train.log_every=4", "--set", "train.num_workers=1")
+               "train.log_every=4", "--set", "train.num_workers=1", *FEW_ANCHORS)
     assert unexpected_lines(r.stderr) == [], r.stderr
     assert "train: drafter 0.44M parameters (dflash), on 1 CPU process(es), precision 32-true" in r.stderr
     assert re.search(r"train: first batch done .* s after start", r.stderr) and (run / "export").is_dir()
@@ -188,13 +188,15 @@ def test_train_prints_only_its_own_lines(tiny_store, tmp_path):
 
 @pytest.mark.slow
 def test_demo_prints_only_its_own_lines(tmp_path):
-    """`dflash demo`, every stage, on a slice of tiny-chat (the full demo takes ~5 minutes)."""
+    """`dflash demo`, every stage, on a slice of tiny-chat (the full demo takes ~5 minutes): 48 training and 12
+    validation conversations, one epoch of 6 steps (the demo's batch of 8) with a validation in the middle and
+    one at the end, 4 online prompts."""
     chat = ROOT / "data" / "assets" / "tiny-chat"
-    for name, n in (("train.jsonl", 96), ("validation.jsonl", 24)):
+    for name, n in (("train.jsonl", 48), ("validation.jsonl", 12)):
         (tmp_path / name).write_text("".join((chat / name).read_text().splitlines(True)[:n]))
     r = dflash("demo", "--out", str(tmp_path / "demo"), "--set", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
                "--set", f"data.validation_files=[{tmp_path / 'validation.jsonl'}]", "--set", "train.epochs=1",
-               "--set", "train.val_every=6", "--set", "eval.num_prompts=4")
+               "--set", "train.val_every=3", "--set", "eval.num_prompts=4")
     assert unexpected_lines(r.stderr) == [], r.stderr
     assert "dflash demo: done in" in r.stdout and (tmp_path / "demo" / "demo.json").is_file()
 

@@ -16,6 +16,7 @@ from pipeline.encoding import decode, from_storage
 from stages.recode import run_recode
 
 from helpers_cli import dflash  # noqa: E402
+from helpers_cli import dflash_each  # noqa: E402 - several refusing commands in one subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -89,24 +90,30 @@ def test_recode_resumes_after_a_crash(src, tmp_path, monkeypatch):
                                   zarr.open_group(dst, mode="r")[f"{shard}/{name}"][:n])
 
 
-@pytest.mark.slow  # recode subprocesses: ~14 s
+@pytest.mark.slow  # three recode subprocesses (the five refusals in one of them)
 def test_recode_refusals(src, tmp_path):
-    r = dflash("recode", src, src, "--encoding", "int4", check=False)
-    assert r.returncode == 2 and "DST must differ from SRC" in r.stderr
     dst = str(tmp_path / "x.zarr")
     dflash("recode", src, dst, "--encoding", "fp8")
-    r = dflash("recode", src, dst, "--encoding", "int6", check=False)
-    assert r.returncode == 2 and "encoding: store has 'fp8'" in r.stderr
-    r = dflash("recode", src, str(tmp_path / "y.zarr"), "--encoding", "int3", check=False)
-    assert r.returncode == 2 and "int3" in r.stderr
-    r = dflash("recode", str(tmp_path / "nothing.zarr"), str(tmp_path / "z.zarr"), "--encoding", "int4", check=False)
-    assert r.returncode == 2 and "no store at" in r.stderr
     partial = str(tmp_path / "partial.zarr")
     shutil.copytree(src, partial)
     g = zarr.open_group(partial, mode="a")["shards/00001"]
     unfinished = {**g.attrs["progress"], "done": False}  # as a stopped extraction leaves it (with its checksum)
     g.update_attributes({"progress": unfinished, st.PROGRESS_SHA: st.digest(unfinished)})
-    r = dflash("recode", partial, str(tmp_path / "p2.zarr"), "--encoding", "int4", check=False)
+    # five refusals: five commands, one subprocess (helpers_cli.dflash_each)
+    same, other_encoding, int3, nothing, unfinished_src = dflash_each(
+        ["recode", src, src, "--encoding", "int4"], ["recode", src, dst, "--encoding", "int6"],
+        ["recode", src, str(tmp_path / "y.zarr"), "--encoding", "int3"],
+        ["recode", str(tmp_path / "nothing.zarr"), str(tmp_path / "z.zarr"), "--encoding", "int4"],
+        ["recode", partial, str(tmp_path / "p2.zarr"), "--encoding", "int4"])
+    r = same
+    assert r.returncode == 2 and "DST must differ from SRC" in r.stderr
+    r = other_encoding
+    assert r.returncode == 2 and "encoding: store has 'fp8'" in r.stderr
+    r = int3
+    assert r.returncode == 2 and "int3" in r.stderr
+    r = nothing
+    assert r.returncode == 2 and "no store at" in r.stderr
+    r = unfinished_src
     assert r.returncode == 2 and "not complete" in r.stderr and "dflash extract" in r.stderr
     r = dflash("recode", dst, str(tmp_path / "lossy2.zarr"), "--encoding", "int4")
     assert "compounds the errors" in r.stderr

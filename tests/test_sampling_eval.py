@@ -2,7 +2,7 @@
 
 (a) the rejection rule's output distribution equals the target's (chi-square on a small vocabulary, fixed
 seed); (b) temperature 0 is the greedy path exactly; (c) `dflash eval --online` at temperature 0.7 on the tiny
-target runs and reports tau (slow)."""
+target runs and reports tau (slow; the drafter is conftest's quality run, trained once per session)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from test_eval import TINY, _random_drafter, _sets, random_target  # noqa: F401 - the module fixture
+from test_eval import _random_drafter, _sets, random_target  # noqa: F401 - the fixtures
 
 from helpers_cli import dflash as _dflash
 from pipeline.config import ConfigError, load_config
@@ -143,14 +143,8 @@ def test_warm_sampling_decodes_differ_by_seed_and_repeat_under_one(random_target
 
 
 @pytest.mark.slow
-def test_online_eval_at_temperature_reports_tau(tmp_path):
-    store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
-    # generous timeouts (not a speed check): on a loaded 2-core machine this training took over 10 min
-    _dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=400",
-            timeout=1800)
-    _dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}",
-            *_sets(["train.batch_size=8", "train.epochs=3", "train.num_workers=0", "train.val_every=1000",
-                    "train.checkpoint_every=1000", "train.num_anchors=8"]), timeout=1800)
+def test_online_eval_at_temperature_reports_tau(quality_run, tmp_path):
+    store, run = quality_run  # conftest's: the tiny store of 800 samples and the drafter trained on it
     out = tmp_path / "eval"
     _dflash("eval", str(run / "export"), "--online", "--out", str(out), "--store", store, "--max-samples", "20",
             *_sets(["eval.num_prompts=8", "eval.temperature=0.7", "eval.max_anchors_per_sample=16"]), timeout=1800)

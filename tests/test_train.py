@@ -17,17 +17,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_cli import FEW_ANCHORS, HANG_S, dflash  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S, dflash, dflash_each  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 # tiny_store: the session's shared store (tests/conftest.py)
 
-
 def _train_args(store, run_dir, *extra):
     # the target path points nowhere: training must need nothing but the store
     return ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run_dir}",
             "--set", "target.path=/nonexistent/target-checkpoint", "--set", "train.num_workers=1", *extra]
+
+
+def _start(args: list, log: Path) -> subprocess.Popen:
+    """A dflash command in the background (its stderr to `log`), for a run that only gives a reference and can
+    overlap the test's other runs; _finish waits for it (a hang guard only) and wants exit 0."""
+    with open(log, "w") as err:  # the child writes its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=ROOT,
+                                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _finish(p: subprocess.Popen, log: Path) -> None:
+    rc = p.wait(timeout=HANG_S)
+    assert rc == 0, f"dflash {' '.join(map(str, p.args[3:]))} exited {rc}\n{log.read_text()[-3000:]}"
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -59,7 +71,10 @@ def test_export_matches_trained_module(tiny_store, tmp_path):
     from stages.export import export_checkpoint, load_checkpoint_drafter
 
     run = tmp_path / "run"
-    dflash(*_train_args(tiny_store, run, "--set", "train.max_steps=3", "--no-export"))
+    # a second run of the same seed, for the reproduction checked at the end, beside the first
+    again_run = _start(_train_args(tiny_store, tmp_path / "again", "--set", "train.max_steps=3", "--no-export",
+                                   *FEW_ANCHORS), tmp_path / "again.log")
+    dflash(*_train_args(tiny_store, run, "--set", "train.max_steps=3", "--no-export", *FEW_ANCHORS))
     ckpt = str(run / "checkpoints" / "last.ckpt")
     out = export_checkpoint(ckpt, str(tmp_path / "export"), dtype="float32")
     trained, _ = load_checkpoint_drafter(ckpt)
@@ -79,7 +94,7 @@ def test_export_matches_trained_module(tiny_store, tmp_path):
         b = exported(emb, exported.project_context(feats), q_pos, ctx_pos, attend)
     torch.testing.assert_close(a, b)
     # the same seed reproduces the run: seeded initial weights, seeded data order and anchors
-    dflash(*_train_args(tiny_store, tmp_path / "again", "--set", "train.max_steps=3", "--no-export"))
+    _finish(again_run, tmp_path / "again.log")
     again, _ = load_checkpoint_drafter(str(tmp_path / "again" / "checkpoints" / "last.ckpt"))
     for (name, p), q in zip(trained.state_dict().items(), again.state_dict().values()):
         assert torch.equal(p, q), name
@@ -91,7 +106,8 @@ def test_one_progress_line_per_step_and_one_checkpoint_file(tiny_store, tmp_path
     A checkpoint written at the last step is not written again: last.ckpt links it (no second full copy)."""
     run = tmp_path / "run"
     r = dflash(*_train_args(tiny_store, run, "--set", "train.max_steps=3", "--set", "train.checkpoint_every=3",
-                            "--set", "train.accumulate_grad_batches=2", "--set", "train.log_every=1", "--no-export"))
+                            "--set", "train.accumulate_grad_batches=2", "--set", "train.log_every=1", "--no-export",
+                            *FEW_ANCHORS))
     steps = re.findall(r"train: step (\d+)/", r.stderr)
     assert steps == ["1", "2", "3"], r.stderr[-3000:]
     last = run / "checkpoints" / "last.ckpt"
@@ -111,6 +127,11 @@ def test_one_progress_line_per_step_and_one_checkpoint_file(tiny_store, tmp_path
 @pytest.mark.slow
 def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
     run = tmp_path / "run"
+    # a fresh run of the same length, for the step count the resumed run must reach exactly (the anchors a sample
+    # change no step count: FEW_ANCHORS, as the runs below), beside the killed and the resumed run
+    ref = tmp_path / "ref"
+    ref_run = _start(_train_args(tiny_store, ref, "--set", "train.epochs=2", "--no-export", *FEW_ANCHORS),
+                     tmp_path / "ref.log")
     args = [sys.executable, "-m", "stages.cli", *_train_args(tiny_store, run, "--set", "train.checkpoint_every=5",
                                                                "--set", "train.epochs=2", "--no-export", *FEW_ANCHORS)]
     p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
@@ -128,12 +149,10 @@ def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
     step0 = before["global_step"]
     assert step0 >= 5
     r = dflash(*_train_args(tiny_store, run, "--set", "train.checkpoint_every=5", "--set", "train.epochs=2",
-                            "--no-export"), "--resume")
+                            "--no-export", *FEW_ANCHORS), "--resume")
     after = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=False)
     total = json.loads((run / "summary.json").read_text())["global_step"]
-    # a fresh run of the same length, for the step count the resumed run must reach exactly
-    ref = tmp_path / "ref"
-    dflash(*_train_args(tiny_store, ref, "--set", "train.epochs=2", "--no-export"))
+    _finish(ref_run, tmp_path / "ref.log")
     assert total == json.loads((ref / "summary.json").read_text())["global_step"] > step0
     assert after["global_step"] == total
     assert after["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["epoch"] == 1
@@ -145,21 +164,23 @@ def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
 def test_refusals(tiny_store, tmp_path):
     run = tmp_path / "run"
     # five ways the store does not fit the config: one refusal names each on its own line (config_differences in
-    # pipeline/provenance.py), so one subprocess proves all five (they were five subprocesses, ~8 s each)
-    r = dflash(*_train_args(tiny_store, run, "--set", "drafter.hidden_size=64", "--set", "target.layer_ids=[1,2,3]",
-                            "--set", "target.name=some-other-model", "--set", "drafter.mask_token_id=99999",
-                            "--set", "data.enable_thinking=true"), check=False)
+    # pipeline/provenance.py), so one command proves all five (they were five subprocesses, ~8 s each); it and
+    # the two refusals below run in one subprocess (dflash_each)
+    r, resume, missing = dflash_each(
+        _train_args(tiny_store, run, "--set", "drafter.hidden_size=64", "--set", "target.layer_ids=[1,2,3]",
+                    "--set", "target.name=some-other-model", "--set", "drafter.mask_token_id=99999",
+                    "--set", "data.enable_thinking=true"),
+        [*_train_args(tiny_store, run), "--resume"],
+        _train_args(str(tmp_path / "missing.zarr"), run))
     assert r.returncode == 2, r.stderr[-3000:]
     lines = r.stderr.splitlines()
     for says in ("hidden size: store has 128, drafter.hidden_size is 64", "layer ids: store has [1, 3, 5], config gives",
                  "target: store was extracted from 'dflash-tiny-target', config says 'some-other-model'",
                  "vocab: drafter.mask_token_id 99999 is outside", "enable_thinking=False"):
         assert sum(says in x for x in lines) == 1, (says, r.stderr[-3000:])
-    assert not run.exists()  # refused before anything is written
-    r = dflash(*_train_args(tiny_store, run), "--resume", check=False)
-    assert r.returncode == 2 and "no checkpoint" in r.stderr
-    r = dflash(*_train_args(str(tmp_path / "missing.zarr"), run), check=False)
-    assert r.returncode == 2 and "dflash extract" in r.stderr
+    assert not run.exists()  # refused before anything is written (by any of the three)
+    assert resume.returncode == 2 and "no checkpoint" in resume.stderr, resume.stderr[-3000:]
+    assert missing.returncode == 2 and "dflash extract" in missing.stderr, missing.stderr[-3000:]
 
 
 @pytest.mark.slow  # a dflash train subprocess (or several): 8-25 s

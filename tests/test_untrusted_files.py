@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers_cli import TINY, dflash
+from helpers_cli import dflash_all, dflash_each  # side by side / refusals in one subprocess
 from pipeline.ckpt_io import UnreadableCheckpoint, UnsafeCheckpoint, load_training_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,18 +109,21 @@ def test_export_eval_and_resume_refuse_a_planted_checkpoint(trained, tmp_path):
     real = load_training_checkpoint(run / "checkpoints" / "last.ckpt")
     evil = plant(tmp_path / "X.ckpt", marker, like=real)
     out = tmp_path / "out"
-    line = _one_error_line(dflash("export", str(evil), str(out), check=False))
-    assert "X.ckpt: refused to load" in line and "asks for exec," in line
-    assert not out.exists()
-    line = _one_error_line(dflash("eval", str(evil), "--store", store, "--out", str(tmp_path / "ev"), check=False))
-    assert "X.ckpt: refused to load" in line
     # a last.ckpt planted in a run directory, for --resume
     victim = tmp_path / "victim"
     (victim / "checkpoints").mkdir(parents=True)
     plant(victim / "checkpoints" / "last.ckpt", marker, like=real)
-    r = dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={victim}", "--set",
-               "train.num_workers=0", "--set", "train.batch_size=8", "--resume", "--no-export", check=False)
-    line = _one_error_line(r)
+    # export, eval and train --resume: three commands, one subprocess (dflash_each)
+    export, ev, resume = dflash_each(
+        ["export", str(evil), str(out)], ["eval", str(evil), "--store", store, "--out", str(tmp_path / "ev")],
+        ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={victim}", "--set",
+         "train.num_workers=0", "--set", "train.batch_size=8", "--resume", "--no-export"])
+    line = _one_error_line(export)
+    assert "X.ckpt: refused to load" in line and "asks for exec," in line
+    assert not out.exists()
+    line = _one_error_line(ev)
+    assert "X.ckpt: refused to load" in line
+    line = _one_error_line(resume)
     assert "last.ckpt: refused to load" in line
     # a best-step file planted beside real checkpoints: the export of the run skips it and takes a real one
     planted_run = tmp_path / "planted"
@@ -136,18 +140,22 @@ def test_eval_refuses_a_store_of_another_target_as_train_does(trained, tmp_path)
     other = str(tmp_path / "other.zarr")  # the same tiny weights, extracted as another target
     dflash("extract", "--config", TINY, "--shards", "1", "--store", other, "--set", "data.max_samples=16",
            "--set", "target.name=other-target")
-    r = dflash("train", "--config", TINY, "--store", other, "--set", f"train.run_dir={tmp_path / 't'}", check=False)
+    alone = tmp_path / "alone"  # an export outside its run: what it recorded of its target is compared
+    os.system(f"cp -r {run / 'export'} {alone}")
+    # train and three evals refuse the store: four commands, one subprocess (dflash_each)
+    r, *evals, r_alone = dflash_each(
+        ["train", "--config", TINY, "--store", other, "--set", f"train.run_dir={tmp_path / 't'}"],
+        *[["eval", str(drafter), "--store", other, "--out", str(tmp_path / "ev")]
+          for drafter in (run / "export", run / "checkpoints" / "last.ckpt")],  # the run's config / the embedded one
+        ["eval", str(alone), "--store", other, "--out", str(tmp_path / "ev")])
     train_says = _error(r)
     assert train_says.startswith("error: the store does not match this config")
     want = "target: store was extracted from 'other-target', config says 'dflash-tiny-target'"
     assert want in train_says
-    for drafter in (run / "export", run / "checkpoints" / "last.ckpt"):  # the run's config / the embedded one
-        r = dflash("eval", str(drafter), "--store", other, "--out", str(tmp_path / "ev"), check=False)
+    for r in evals:
         assert _error(r) == train_says, r.stderr[-2000:]
-    assert not (tmp_path / "ev").exists()  # refused before anything is written
-    alone = tmp_path / "alone"  # an export outside its run: what it recorded of its target is compared
-    os.system(f"cp -r {run / 'export'} {alone}")
-    r = dflash("eval", str(alone), "--store", other, "--out", str(tmp_path / "ev"), check=False)
+    assert not (tmp_path / "ev").exists()  # refused before anything is written (by any of the three evals)
+    r = r_alone
     assert _error(r).startswith(f"error: the store does not match the drafter {alone}")
     assert "store was extracted from 'other-target', the drafter was trained for 'dflash-tiny-target'" in r.stderr
     r = dflash("eval", str(alone), "--store", store, "--max-samples", "2", "--out", str(tmp_path / "ev"))
@@ -167,11 +175,13 @@ def test_export_replaces_an_earlier_export_whole_and_refuses_a_foreign_directory
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    line = _one_error_line(dflash("export", ckpt, str(foreign), check=False))
+    out = tmp_path / "out"
+    # the refused export and a first export into a new directory, side by side
+    refused, first = dflash_all(["export", ckpt, foreign], ["export", ckpt, out], check=False)
+    line = _one_error_line(refused)
     assert f"{foreign} is not empty and does not hold a DFlash export" in line
     assert [f.name for f in foreign.iterdir()] == ["notes.txt"] and (foreign / "notes.txt").read_text() == "keep me"
-    out = tmp_path / "out"
-    dflash("export", ckpt, str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
     (out / "modeling_dflash2.py").write_text("# another export's modeling file\n")  # stale, from an earlier export
     (out / "config.json").write_text((out / "config.json").read_text().replace('"qwen3"', '"stale"'))
     dflash("export", ckpt, str(out), "--sglang")
@@ -202,27 +212,29 @@ def test_damaged_weights_are_refused_by_eval_and_init_from_before_anything_is_wr
     _flip(weights, weights.stat().st_size - 100)  # a weight's byte: the file still parses
     with pytest.raises(ExportError, match="model.safetensors is damaged"):
         load_exported(flipped)
-    r = dflash("eval", str(flipped), "--store", store, "--out", str(tmp_path / "ev"), check=False)
-    assert "model.safetensors is damaged: its sha256 differs" in _one_error_line(r)
-    assert not (tmp_path / "ev").exists()
-
-    def init_from(export: Path, run_dir: Path):
-        return dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run_dir}", "--set",
-                      "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=1",
-                      "--no-export", "--init-from", str(export), check=False)
-
-    line = _one_error_line(init_from(flipped, tmp_path / "r1"))
-    assert line.startswith("error: --init-from: ") and "model.safetensors is damaged" in line
-    assert not (tmp_path / "r1").exists()
     # a truncated weights file in an export without checksums (an older or a published one)
     torn = tmp_path / "torn"
     os.system(f"cp -r {run / 'export'} {torn}")
     (torn / "checksums.sha256").unlink()
     assert verify_checksums(torn) is False  # nothing to verify: still accepted as before
     (torn / "model.safetensors").write_bytes((torn / "model.safetensors").read_bytes()[:50_000])
-    line = _one_error_line(init_from(torn, tmp_path / "r2"))
+
+    def init_from(export: Path, run_dir: Path) -> list:
+        return ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run_dir}", "--set",
+                "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=1",
+                "--no-export", "--init-from", str(export)]
+
+    # eval and --init-from refuse the damaged weights: three commands, one subprocess (dflash_each)
+    r, r1, r2 = dflash_each(["eval", str(flipped), "--store", store, "--out", str(tmp_path / "ev")],
+                            init_from(flipped, tmp_path / "r1"), init_from(torn, tmp_path / "r2"))
+    assert "model.safetensors is damaged: its sha256 differs" in _one_error_line(r)
+    assert not (tmp_path / "ev").exists()
+    line = _one_error_line(r1)
+    assert line.startswith("error: --init-from: ") and "model.safetensors is damaged" in line
+    assert not (tmp_path / "r1").exists()
+    line = _one_error_line(r2)
     assert "model.safetensors is not a readable safetensors file" in line and "truncated or damaged" in line
     assert not (tmp_path / "r2").exists()
     # an intact export still starts a run
-    init_from(run / "export", tmp_path / "r3")
+    dflash(*init_from(run / "export", tmp_path / "r3"))
     assert (tmp_path / "r3" / "checkpoints" / "last.ckpt").exists()
