@@ -54,6 +54,7 @@ def two_shard_store(tiny_store):
     return tiny_store
 
 
+@pytest.mark.slow  # a two-shard extraction again (worker processes), verify and inspect: several processes
 def test_two_shards_store_is_complete_and_valid(two_shard_store, tiny_store_copy):
     logs = Path(two_shard_store) / "logs"  # the workers ran on the parent's resolved config and samples
     assert load_config(str(logs / "extract-config.yaml")).data.max_samples == 240

@@ -47,6 +47,7 @@ def _args(store: str, run: Path, *more: str) -> list[str]:
             "--set", "train.num_workers=0", *more]
 
 
+@pytest.mark.slow  # two `dflash train` runs end to end (the timeout, then the refusal)
 def test_follow_timeout_gives_up_in_one_line_with_the_committed_count(stopped_store, tmp_path):
     r = dflash(*_args(stopped_store, tmp_path / "run", *WAIT, "--set", "train.follow_timeout_s=0.5"), check=False)
     assert r.returncode == 2, r.stderr[-3000:]

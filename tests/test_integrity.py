@@ -151,6 +151,7 @@ def test_verify_names_the_chunk_of_values_that_cannot_be_right(copy):
     assert "shard 0: array sample_start, chunk 0 (rows 0..8191) holds offsets that are not contiguous" in out
 
 
+@pytest.mark.slow  # a spawned loader worker process (its shutdown after the error takes ~5 s more)
 def test_a_damaged_chunk_read_in_a_loader_worker_is_one_clear_error(copy):
     _chunk(copy, "features", 2).unlink()
     ds = StoreDataset(copy, list(range(12)), num_anchors=8, seed=0)
