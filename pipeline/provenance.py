@@ -309,6 +309,8 @@ def check_frozen_head(store_path: str) -> None:
 
 
 _PRELOADED: dict[str, tuple] = {}  # head file -> (embed, head) loaded by the check's thread (start_frozen_head_check)
+# the check's thread's timeline: ("began", wall time), then (step, seconds): checksum, CUDA start, load
+HEAD_THREAD: list[tuple[str, float]] = []
 
 
 def load_frozen_head(head_file: str, device, dtype) -> tuple:
@@ -338,21 +340,37 @@ def start_frozen_head_check(store_path: str, to: Optional[tuple] = None):
     H200 host, on every rank. hashlib and file reads release the GIL, so the check overlaps the rest of the
     set-up (model build, loaders, Trainer); training calls `wait()` before `fit`, so a changed or damaged
     head still stops the run before its first step. `to=(device, dtype)`: after a passing check the thread loads
-    the head there for `load_frozen_head` (the module contract); `wait()` also waits for that load."""
+    the head there for `load_frozen_head` (the module contract); `wait()` also waits for that load. On a GPU the
+    thread first starts CUDA off the GIL (pipeline/cuda_start.py), so torch's own start, which holds the GIL, does
+    not stop the main thread's imports. `HEAD_THREAD` keeps the thread's timeline for the start-up lines."""
     import threading
+    import time
 
     failure: list[BaseException] = []
     head_file = st.frozen_head_path(store_path)
+    HEAD_THREAD.clear()
 
     def check() -> None:
+        t = time.time()
+        HEAD_THREAD.append(("began", t))
         try:
             check_frozen_head(store_path)
         except BaseException as e:  # noqa: BLE001 (handed to wait(), re-raised in the caller's thread)
             failure.append(e)
             return
+        HEAD_THREAD.append(("checksum", time.time() - t))
         if to is not None:
             try:
+                device = to[0]
+                if getattr(device, "type", str(device).split(":")[0]) == "cuda":  # off the GIL (issue 46)
+                    from pipeline.cuda_start import start_cuda
+
+                    t = time.time()
+                    start_cuda(getattr(device, "index", None) or 0)
+                    HEAD_THREAD.append(("CUDA start", time.time() - t))
+                t = time.time()
                 _PRELOADED[head_file] = load_frozen_head(head_file, *to)
+                HEAD_THREAD.append(("load", time.time() - t))
             except Exception as e:  # noqa: BLE001 - the fit loads it itself and meets the error there
                 print(f"train: the frozen head was not loaded ahead ({type(e).__name__}: {e}); the fit loads it",
                       file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ import torch
 import lightning as L
 
 from stages.train_startup import (StartupPhases, compile_summary, dynamo_times,  # noqa: F401
-                                  process_start_time)  # (process_start_time: callers here)
+                                  process_start_time, thread_line)  # (process_start_time: callers here)
 
 
 class ProgressLines(L.Callback):
@@ -76,6 +76,10 @@ class ProgressLines(L.Callback):
                 if self.fit_parts is not None and self.fit_parts.phases:
                     text += self.fit_parts.line(where, "fit set-up") + "\n"
                 text += compile_summary(*dynamo_times(), where=where) + "\n"  # the first batch's compiles
+                from pipeline.provenance import HEAD_THREAD
+
+                head = thread_line(list(HEAD_THREAD), self.started, where)
+                text += head + "\n" if head else ""
             sys.stderr.write(text)  # one write: under DDP another rank's line cannot land inside it
             sys.stderr.flush()
             self.after_first = (time.time(), trainer.global_step, self.tokens)
@@ -158,11 +162,13 @@ class FinalCheckpoint:
     ~21 GB of pageable copies, in the way of the user's final checkpoint) though nothing uses them after
     this. A stopped run (Ctrl-C, SIGTERM) never gets here. `free`: drop the weights and optimizer state
     afterwards (on GPU; the process ends next). `progress`: its `done_at` (the end of training, before
-    ModelCheckpoint's own save) is where the reported time counts from."""
+    ModelCheckpoint's own save) is where the reported time counts from. `end` times what follows, phase by
+    phase (`mark`), for the end line stages/train_fit.finish prints (issue 46: the process's exit)."""
 
     def __init__(self, checkpoint, last: Path, free: bool, progress: ProgressLines | None = None):
         self.checkpoint, self.last, self.free, self.saved = checkpoint, last, free, False
         self.progress = progress
+        self.end: StartupPhases | None = None  # the end's phases from the last step (`end_mark`, train_fit)
 
     def __call__(self, trainer, pl_module) -> None:
         from stages.train_ckpt_io import wait_for_checkpoints
@@ -186,6 +192,13 @@ class FinalCheckpoint:
         if trainer.is_global_zero:
             print(f"train: final checkpoint {self.last} in place {time.time() - t:.1f} s after training ended",
                   file=sys.stderr, flush=True)
+        self.end = StartupPhases(t)
+        self.end.mark("final checkpoint")
+
+    def mark(self, name: str) -> None:
+        """End the end's phase `name` (after the final checkpoint: Lightning's teardown, the loaders, the export)."""
+        if self.end is not None:
+            self.end.mark(name)
 
 
 class ValidateAtEnd(L.Callback):

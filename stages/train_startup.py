@@ -14,7 +14,8 @@ remaining causes of the warm first batch): a second `StartupPhases` splits fit s
 environment and setup hooks; model, optimizer and a resume's restore up to on_fit_start; the training module's
 on_fit_start: the frozen head to the device, the compile set-up; a sanity check; the loops and loaders up to
 on_train_start), and `compile_summary` splits the first batch's compile time by dynamo's own
-timers (torch._dynamo.utils.compile_times: tracing, the backend and its cache loads, guards).
+timers (torch._dynamo.utils.compile_times: tracing, the backend and its cache loads, guards). `thread_line` says
+what the frozen head's thread did and when (its checksum, the CUDA start, the load onto the GPU).
 """
 
 from __future__ import annotations
@@ -67,6 +68,17 @@ class StartupPhases:
         """`train: PHASE T s: name s, ...` (names without commas: benches parse the line)."""
         total = sum(s for _, s in self.phases)
         return f"train: {phase}{where} {total:.1f} s: " + ", ".join(f"{n} {s:.1f}" for n, s in self.phases)
+
+
+def thread_line(timeline: list[tuple[str, float]], started: float, where: str = "") -> str | None:
+    """`train: frozen-head thread{where} T s: began B, checksum s, CUDA start s, load s` from the check's thread's
+    timeline (pipeline/provenance.HEAD_THREAD: ("began", wall time) then (step, seconds)); B counts from the
+    process's start, so the line shows which start-up phases the thread ran beside. None before it began."""
+    if not timeline or timeline[0][0] != "began":
+        return None
+    steps = timeline[1:]
+    parts = [f"began {max(0.0, timeline[0][1] - started):.1f}"] + [f"{n} {s:.1f}" for n, s in steps]
+    return f"train: frozen-head thread{where} {sum(s for _, s in steps):.1f} s: " + ", ".join(parts)
 
 
 # dynamo's timers (torch._dynamo.utils.compile_times) -> the names the line gives them; nested timers overlap
