@@ -196,7 +196,8 @@ def e2emfu(c: Ctx) -> list:
     return [_e2e(c, "64", "", ["--cold-steps", "1", "--steps", c.var("E2E_STEPS", "53", "5"), "--gpus", "0", "0",
                  "--checkpoint-every", c.var("E2E_CKPT_EVERY", "20", "2"),
                  "--out", str(c.out / "e2e_mfu.json")], "e2e_mfu.log", limit="420", show=12,
-                 only=r"first batch done|start-up|fit set-up|compiles|checkpoint|Error|error|^run |^warm|^cold|MFU|recompil")]
+                 only=r"first batch done|start-up|fit set-up|compiles|checkpoint|Error|error|^run |^warm|^cold|MFU|recompil"
+                      r"|frozen-head|end|exit")]
 
 
 @part("e2eprof")

@@ -203,6 +203,14 @@ def step_bubbles(lines: list, skip: int = 3, slow: float = 1.2) -> dict:
     return {"median_step_s": med, "slow_steps": slow_steps, "checkpoint_lines": len(ckpts)}
 
 
+def phase_line(lines: list, name: str) -> dict | None:
+    """{part: seconds} of the first `train: NAME( on rank R)? T s: part s, ...` line (stages/train_startup.py's
+    format: start-up, fit set-up, frozen-head thread, end), else None."""
+    pat = re.compile(rf"train: {re.escape(name)}(?: on rank \d+)? [0-9.]+ s: (.*)")
+    return next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(1).split(", ")}
+                 for _, x in lines if (m := pat.match(x))), None)
+
+
 def recompiles(lines: list) -> dict:
     """dynamo's recompiles in a run's log (dflash's one-line form and dynamo's full dump), before and after the
     first optimizer step's line: issue 46 item 2's goal is none after it (one compile per run)."""
@@ -219,7 +227,8 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     cmd = train_command(config, store, gpus, sets, torch.cuda.is_available())
     t0 = time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                         env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache), "DFLASH_SAMPLE_LOG": "1"})
+                         env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache), "DFLASH_SAMPLE_LOG": "1",
+                              "DFLASH_EXIT_STACKS": "3"})  # the exit's Python stacks every 3 s (stages/train_fit.say_end)
     lines = []
     for line in p.stderr:
         lines.append((time.time() - t0, line.rstrip()))
@@ -231,11 +240,10 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
                             if (m := re.search(r"in place ([0-9.]+) s after training ended", x))), (None, None))
     stamps = [(t, int(m.group(1))) for t, x in lines if (m := re.match(r"train: step (\d+)/", x))]
     # start-up phases (stages/train_startup.py) and each checkpoint's training stall (stages/train_ckpt_io.py)
-    startup = next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(2).split(", ")}
-                    for _, x in lines if (m := re.match(r"train: start-up(?: on rank \d+)? ([0-9.]+) s: (.*)", x))), None)
-    fit_parts = next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(1).split(", ")}
-                      for _, x in lines if (m := re.match(r"train: fit set-up(?: on rank \d+)? [0-9.]+ s: (.*)", x))),
-                     None)  # fit set-up's parts at Lightning's hooks
+    startup, fit_parts, head, end = (phase_line(lines, name) for name in ("start-up", "fit set-up",
+                                                                          "frozen-head thread", "end"))
+    handlers = next((float(m.group(1)) for _, x in lines
+                     if (m := re.match(r"train: exit handlers begin ([0-9.]+) s", x))), None)
     compiles = next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(1).split(", ") if " " in p}
                      for _, x in lines if (m := re.match(r"train: compiles so far.*?: (.*)", x))), None)  # dynamo's timers
     stalls = [(m.group(1), float(m.group(2))) for _, x in lines
@@ -254,6 +262,7 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     return {"rc": rc, "gpus": gpus, "wall_s": time.time() - t0, "first_batch_s": first, "first_batch_per_rank_s": firsts,
             "steady_steps_s": steady, "steps": stamps[-1][1] if stamps else 0, "final_checkpoint_s": final,
             "startup_phases_s": startup, "fit_setup_parts_s": fit_parts, "first_batch_compiles_s": compiles,
+            "head_thread_s": head, "end_phases_s": end, "exit_handlers_begin_s": handlers,
             "checkpoint_stalls_s": stalls, **bubbles, **recompiles(lines),
             "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at,
             "useful": kept, "profile": profile, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
@@ -349,9 +358,13 @@ def main() -> int:
               f"{end:>7.1f}{ex:>8.1f}{r['wall_s']:>8.0f}{max([s for _, s in r['checkpoint_stalls_s']], default=nan):>14.2f}")
         if r["startup_phases_s"]:
             print("    start-up: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup_phases_s"].items()))
-        for label, key in (("fit set-up", "fit_setup_parts_s"), ("compiles by the first batch", "first_batch_compiles_s")):
+        for label, key in (("fit set-up", "fit_setup_parts_s"), ("compiles by the first batch", "first_batch_compiles_s"),
+                           ("frozen-head thread", "head_thread_s"), ("end", "end_phases_s")):
             if r.get(key):
                 print(f"    {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in r[key].items()))
+        if r.get("exit_handlers_begin_s") is not None:
+            print(f"    exit: its handlers began {r['exit_handlers_begin_s']:.1f} s after the end line; the process was "
+                  f"gone {ex:.1f} s after the final checkpoint (the stacks in the log: DFLASH_EXIT_STACKS)")
         print(f"    recompiles: {r['recompiles_by_step_1']} by the first step's line, {r['recompiles_after_step_1']} after it")
         if r.get("median_step_s") and keep is None:
             med_mfu = accum / r["median_step_s"] * flops / (a.peak_tflops * 1e12)

@@ -154,6 +154,7 @@ def fit(*, cfg: Config, fitting: Fitting, task, data: Data, resume: bool, last: 
     try:
         trainer.fit(task, train_dataloaders=data.train_dl, val_dataloaders=data.val_dl,
                     ckpt_path=str(last) if resume else None, weights_only=True)
+        fitting.final.mark("Lightning teardown")  # (after the final checkpoint: fit's own end)
     except BaseException as e:  # Lightning turns SIGTERM and Ctrl-C into SystemExit
         if not stopped_by_user(e, trainer):
             if nodes is not None:  # across nodes: a group that never formed, or a node that went away
@@ -175,6 +176,7 @@ def fit(*, cfg: Config, fitting: Fitting, task, data: Data, resume: bool, last: 
         shutdown = getattr(getattr(data.val_dl, "_iterator", None), "_shutdown_workers", None)
         if shutdown is not None:  # the validation loader's persistent worker
             shutdown()
+        fitting.final.mark("loaders")
     return None
 
 
@@ -189,6 +191,7 @@ def finish(*, cfg: Config, fitting: Fitting, task, run_dir: Path, ckpt_dir: Path
         wait_for_checkpoints(trainer, sync=True)
         save_final(trainer, fitting.checkpoint, checkpoint_path)
     wait_for_checkpoints(trainer)  # every write in place before the export reads one and before the exit
+    fitting.final.mark("checkpoint wait")
     if trainer.is_global_zero:
         summary = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
                    "val": getattr(task, "last_val", {}), "checkpoint": str(checkpoint_path)}
@@ -204,11 +207,37 @@ def finish(*, cfg: Config, fitting: Fitting, task, run_dir: Path, ckpt_dir: Path
             summary["exported"] = choice.as_dict()
             print(f"train: exported {choice.reason} to {summary['export']}", file=sys.stderr, flush=True)
             print(serve_lines(summary["export"]), file=sys.stderr, flush=True)
+            fitting.final.mark("export")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        fitting.final.mark("summary")
+        say_end(fitting.final.end)
         tau = summary['val'].get('val/tau')
         print(f"train: {trainer.global_step} steps; val tau {'n/a' if tau is None else f'{tau:.3f}'}; "
               f"checkpoint {checkpoint_path}" + (f"; export {summary.get('export')}" if export else ""), file=sys.stderr)
     return 0
+
+
+def say_end(end) -> None:
+    """The end line (`train: end T s: final checkpoint s, Lightning teardown s, loaders s, checkpoint wait s,
+    export s, summary s`, from the last step), then what keeps the process alive after it (issue 46): one line when
+    the interpreter's exit handlers begin (`train: exit handlers begin S s after the end line`: the wait for
+    threads that are not daemons comes before them), and with DFLASH_EXIT_STACKS=S every thread's Python stack
+    every S seconds until the process is gone (faulthandler: a sampling profile of the exit, for benches)."""
+    if end is None:  # no completed fit here (resumed at its last step): nothing measured
+        return
+    import atexit
+    import faulthandler
+    import os
+    import time
+
+    print(end.line(phase="end"), file=sys.stderr, flush=True)
+    said = time.time()
+    # registered last, so it runs first of the exit handlers
+    atexit.register(lambda: print(f"train: exit handlers begin {time.time() - said:.1f} s after the end line",
+                                  file=sys.stderr, flush=True))
+    every = float(os.environ.get("DFLASH_EXIT_STACKS", "0") or 0)
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
 
 
 def serve_lines(export_dir: str) -> str:

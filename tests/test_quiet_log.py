@@ -181,6 +181,13 @@ def test_train_prints_only_its_own_lines(tiny_store, tmp_path):
     startup = re.search(r"^train: start-up [0-9.]+ s: .*fit set-up ([0-9.]+), first batch", r.stderr, re.M)
     assert parts and startup and abs(float(parts.group(1)) - float(startup.group(1))) <= 0.11, r.stderr
     assert re.search(r"^train: compiles so far( \(\d+ frames\))?: (none|dynamo in all [0-9.]+)", r.stderr, re.M), r.stderr
+    # what the frozen head's thread did beside the start-up (no GPU here: no CUDA start), and the end's phases
+    # from the last step to the process's exit handlers (issue 46: what keeps a finished run alive)
+    assert re.search(r"^train: frozen-head thread [0-9.]+ s: began [0-9.]+, checksum [0-9.]+, load [0-9.]+$",
+                     r.stderr, re.M), r.stderr
+    assert re.search(r"^train: end [0-9.]+ s: final checkpoint [0-9.]+, Lightning teardown [0-9.]+, loaders [0-9.]+, "
+                     r"checkpoint wait [0-9.]+, export [0-9.]+, summary [0-9.]+$", r.stderr, re.M), r.stderr
+    assert re.search(r"^train: exit handlers begin [0-9.]+ s after the end line$", r.stderr, re.M), r.stderr
     assert r.stdout.strip() == ""  # Lightning's model summary table is gone too
     # checkpoints are written behind training, each saying how long training waited for it
     assert re.search(r"train: checkpoint step4\.ckpt written: training waited [0-9.]+ s", r.stderr), r.stderr
