@@ -1,6 +1,6 @@
 """Run the `dflash` command line in a subprocess for tests, without a GPU; fail with its output on a bad exit
 (`dflash`), several refusing commands in one subprocess (`dflash_each`) or independent ones side by side
-(`dflash_all`)."""
+(`dflash_all`); any command in the background (`start`, `must_pass`) or several side by side (`side_by_side`)."""
 
 from __future__ import annotations
 
@@ -79,20 +79,55 @@ def dflash_each(*commands: list, timeout=HANG_S) -> list[subprocess.CompletedPro
             for c, (code, out, err) in zip(commands, json.loads(last[len("DFLASH_EACH "):]))]
 
 
+class Started:
+    """A process started in the background (`start`), its stdout and stderr going to files in a temporary
+    directory; `result()` waits for it (a hang guard only) and gives what subprocess.run(..., capture_output=True,
+    text=True) would have (the same object on every call)."""
+
+    def __init__(self, argv: list, env: dict | None = None, cwd=ROOT):
+        self.argv, self._dir, self._done = [str(a) for a in argv], tempfile.TemporaryDirectory(), None
+        self._out, self._err = Path(self._dir.name) / "out", Path(self._dir.name) / "err"
+        with open(self._out, "w") as out, open(self._err, "w") as err:  # the child keeps its own descriptors
+            self.proc = subprocess.Popen(self.argv, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
+
+    def result(self, timeout=HANG_S) -> subprocess.CompletedProcess:
+        if self._done is None:
+            rc = self.proc.wait(timeout=timeout)
+            self._done = subprocess.CompletedProcess(self.argv, rc, self._out.read_text(errors="replace"),
+                                                     self._err.read_text(errors="replace"))
+            self._dir.cleanup()
+        return self._done
+
+
+def start(argv: list, env: dict | None = None, cwd=ROOT) -> Started:
+    """Start a command (argv, env) in the background; GPUs hidden unless env says otherwise (the caller's env
+    is used as given; None: this process's environment with CUDA_VISIBLE_DEVICES="")."""
+    return Started(argv, {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if env is None else env, cwd)
+
+
+def side_by_side(*runs: tuple, timeout=HANG_S) -> list[subprocess.CompletedProcess]:
+    """Independent commands, (argv, env) each (env None: GPUs hidden, as `start`), all started at once, their
+    start-ups overlapping on the 2 cores (a process that mostly imports leaves a core idle); one CompletedProcess
+    each, in order, as subprocess.run(..., capture_output=True, text=True) gives."""
+    started = [start(argv, env) for argv, env in runs]
+    return [s.result(timeout) for s in started]
+
+
+def must_pass(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Fail the test with the command's output unless it exited 0."""
+    if r.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, r.args))} exited {r.returncode}\n{r.stdout[-3000:]}\n"
+                             f"{r.stderr[-3000:]}")
+    return r
+
+
 def dflash_all(*commands: list, check=True, timeout=HANG_S) -> list[subprocess.CompletedProcess]:
-    """Independent `dflash` commands (none reads what another writes) run side by side, one process each, as
-    helpers_cli.dflash runs one: their start-ups overlap on the 2 cores. One CompletedProcess per command, in
-    order; with check, a command that exits non-zero fails the test with its output. GPUs hidden."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    with tempfile.TemporaryDirectory() as d:
-        procs = []
-        for i, c in enumerate(commands):
-            with open(f"{d}/{i}.out", "w") as out, open(f"{d}/{i}.err", "w") as err:
-                procs.append(subprocess.Popen([sys.executable, "-m", "stages.cli", *map(str, c)], cwd=ROOT, env=env,
-                                              stdout=out, stderr=err, text=True))
-        codes = [p.wait(timeout=timeout) for p in procs]  # a hang guard only
-        done = [subprocess.CompletedProcess(list(c), rc, open(f"{d}/{i}.out").read(), open(f"{d}/{i}.err").read())
-                for i, (c, rc) in enumerate(zip(commands, codes))]
+    """Independent `dflash` commands (none reads what another writes) run side by side (`side_by_side`), one
+    process each, as helpers_cli.dflash runs one. One CompletedProcess per command, in order, its args the
+    command's own; with check, a command that exits non-zero fails the test with its output. GPUs hidden."""
+    done = side_by_side(*[([sys.executable, "-m", "stages.cli", *map(str, c)], None) for c in commands],
+                        timeout=timeout)
+    done = [subprocess.CompletedProcess(list(c), r.returncode, r.stdout, r.stderr) for c, r in zip(commands, done)]
     for r in done:
         if check and r.returncode != 0:
             raise AssertionError(f"dflash {' '.join(map(str, r.args))} exited {r.returncode}\n{r.stdout[-3000:]}\n"

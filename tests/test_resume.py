@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_cli import FEW_ANCHORS, HANG_S
+from helpers_cli import FEW_ANCHORS, HANG_S, must_pass, start
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -49,13 +49,18 @@ def _run(args, check=True):
     return r
 
 
-def _kill_after_checkpoint(args, run: Path, at_least: int, seed: int, total: int | None = None) -> int:
+def _last_step(run: Path) -> int:
+    return torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+
+
+def _kill_after_checkpoint(args, run: Path, at_least: int, seed: int, total=None) -> int:
     """Start a run, SIGKILL it a random moment after a checkpoint at step >= at_least; return that checkpoint's step.
 
-    With `total` (the uninterrupted run's last step), a kill that came only after the final checkpoint, or after the
-    run had ended (its last steps ran within the random wait: CI, 2026-12-06, with at_least 12 of 14 steps), is
-    tried again from scratch, at the first checkpoint and without the wait: what the test proves never depends on
-    the machine's speed."""
+    With `total` (a function giving the uninterrupted run's last step, asked only after a kill: that run may still
+    be going beside this one), a kill that came only after the final checkpoint, or after the run had ended (its
+    last steps ran within the random wait: CI, 2026-12-06, with at_least 12 of 14 steps), is tried again from
+    scratch, at the first checkpoint and without the wait: what the test proves never depends on the machine's
+    speed."""
     for attempt in range(3):
         p = subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
@@ -70,12 +75,12 @@ def _kill_after_checkpoint(args, run: Path, at_least: int, seed: int, total: int
         if p.returncode != 0:  # (0: it finished within the wait, as a killed-after-the-end run: once more below)
             assert p.returncode == -signal.SIGKILL, f"the run failed before it was killed (exit {p.returncode})"
             time.sleep(1.0)  # ranks and loader workers go with their launcher
-            step = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
-            if total is None or step < total:
+            step = _last_step(run)
+            if total is None or step < total():
                 return step
         shutil.rmtree(run)  # killed after the last checkpoint, or not killed at all: nothing to resume, so once more
         at_least = min(at_least, 6)
-    pytest.fail(f"three runs reached their last step ({total}) before the kill (seed {seed})")
+    pytest.fail(f"three runs reached their last step ({total()}) before the kill (seed {seed})")
 
 
 def _samples(run: Path, rank: int) -> list[dict]:
@@ -104,14 +109,20 @@ def test_killed_and_resumed_run_is_bit_identical(store, tmp_path, devices, accum
     if packing:  # train.packing: rows of several samples, planned by the sampler (data/packing.py)
         extra += ("--set", "train.packing=true", "--set", "train.batch_size=1")  # ~4 samples per 256-token row
     ref, run = tmp_path / "ref", tmp_path / "run"
-    _run(_args(store, ref, *extra))
-    total = torch.load(ref / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    # the uninterrupted run goes beside the one that is killed (their start-ups overlap on the 2 cores); the kill
+    # helper wants its last step only after the kill, and the test its files only after the resume
+    reference = start([sys.executable, "-m", "stages.cli", *_args(store, ref, *extra)], ENV)
+
+    def total() -> int:
+        must_pass(reference.result())
+        return _last_step(ref)
     seed = random.randrange(1 << 30)
     ckpt = _kill_after_checkpoint(_args(store, run, *extra), run, random.Random(seed).choice([6, 9, 12]), seed, total)
     killed = {r: len(_samples(run, r)) for r in range(devices)}
     before = [x for x in _rows(run) if int(x["step"]) < ckpt - 1]
     assert before, "metrics.csv held no rows before the checkpoint"
     _run(_args(store, run, *extra, "--resume"))
+    total()  # the uninterrupted run has ended, with exit 0
     a = torch.load(ref / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     b = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert a["global_step"] == b["global_step"] > ckpt, (a["global_step"], ckpt, seed)
