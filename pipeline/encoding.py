@@ -25,6 +25,8 @@ Contract:
 - `encode(x, encoding)` -> dict of parts on x's device; `decode(parts, encoding, dtype)` inverts it on
   whatever device the parts are on (training decodes on the GPU after the copy; the CPU only moves bytes).
   Parts may carry any leading dims ([T, ...] or [B, S, ...]).
+- On CUDA the intN encode is one Triton kernel (pipeline/int_encode_kernel.py): the CPU's parts to the bit, except
+  that among equal magnitudes it takes the lowest channel as an outlier (torch.topk's choice there is unspecified).
 - `parts_spec(encoding, L, H)` gives each part's per-token shape and numpy storage dtype; `to_storage` /
   `from_storage` convert between torch parts and the numpy arrays the store holds (uint16 for bf16 bits).
 - `compression_factor(encoding, H)`: the measured store bytes / raw bytes of an encoding's parts (blosc),
@@ -151,17 +153,34 @@ def _bit_weights(device) -> torch.Tensor:
 
 
 def _encode_int(x: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-    *lead, H = x.shape
-    qmax = 2 ** (n - 1) - 1
+    """x [..., L, H] -> the intN parts; on CUDA one Triton kernel (pipeline/int_encode_kernel.py): `_encode_int_at`
+    on the CPU to the bit, at outlier channels that put the lowest channel first among equal magnitudes."""
+    if x.is_cuda:
+        from pipeline import int_encode_kernel
+
+        return dict(zip(("features", "scales", "outliers"), int_encode_kernel.encode(x, n)))
     xf = x.to(torch.bfloat16).float()  # outliers are stored as bf16: take them from the bf16 values
-    top = xf.abs().topk(OUTLIERS, dim=-1).indices  # [..., K]
+    return _encode_int_at(xf, _top_channels(xf), n)
+
+
+def _top_channels(xf: torch.Tensor) -> torch.Tensor:
+    """xf [..., H] -> the channels of the OUTLIERS largest |x|, largest first [..., K] (among equal magnitudes
+    torch.topk's choice is unspecified)."""
+    return xf.abs().topk(OUTLIERS, dim=-1).indices
+
+
+def _encode_int_at(xf: torch.Tensor, top: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """The intN parts of xf [..., H] (float32 holding bf16 values) with the outliers at channels top [..., K]: those
+    kept exactly and zeroed, then the group scales and the bit planes of the offset codes."""
+    H = xf.shape[-1]
+    qmax = 2 ** (n - 1) - 1
     vals = xf.gather(-1, top)  # [..., K]
     xf = xf.scatter(-1, top, 0.0)
     g = xf.unflatten(-1, (H // GROUP, GROUP))  # [..., H/G, G]
     s = (g.abs().amax(-1) / qmax).clamp(_FP16_TINY, _FP16_MAX).to(torch.float16)  # [..., H/G]
     q = (g / s.float().unsqueeze(-1)).round().clamp(-qmax, qmax)
     u = (q + qmax).to(torch.uint8).flatten(-2).unflatten(-1, (H // 8, 8))  # [..., H/8, 8] offset codes
-    w = _bit_weights(x.device)
+    w = _bit_weights(xf.device)
     planes = torch.stack([(((u >> b) & 1) * w).sum(-1, dtype=torch.uint8) for b in range(n)], dim=-2)  # [..., n, H/8]
     bits = vals.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     return {"features": planes.flatten(-2).contiguous(), "scales": s.contiguous(),

@@ -11,8 +11,8 @@ exactly `fp8_block.quantize_act(x)`, bit for bit (tested on the GPU; `pad_rows` 
 s = max(amax |x| in fp32, 1e-10) / 448 and x / s with IEEE division (`div_rn`: Triton's plain `/` is an
 approximate division), clamped to +-448 and cast to float8_e4m3fn rounding to nearest even; the scales float32
 [M, K/128] stored outer-dim-major (stride (1, M); a single row row-major), the layouts `torch._scaled_mm` takes.
-Triton is imported by this module alone, and only where the caller runs on CUDA (the CPU keeps `quantize_act`);
-`TRITON_INTERPRET=1` runs the kernel on CPU tensors.
+Triton is imported by this module (and pipeline/int_encode_kernel.py) alone, and only where the caller runs on
+CUDA (the CPU keeps `quantize_act`); `TRITON_INTERPRET=1` runs the kernel on CPU tensors.
 """
 
 from __future__ import annotations

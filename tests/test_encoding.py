@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data.store_dataset import collate
-from pipeline.encoding import ENCODINGS, INT_BITS, OUTLIERS, decode, encode, from_storage, parts_spec, \
+from pipeline.encoding import ENCODINGS, INT_BITS, LAST, OUTLIERS, decode, encode, from_storage, parts_spec, \
     raw_bytes_per_token, to_storage
 
 
@@ -132,3 +132,97 @@ def test_gpu_encode_decode_equals_cpu(encoding):
         same = (y_gpu == y_cpu).float().mean().item()
         assert same > 0.999, same
     assert rel(y_gpu, x.float()) < 1.05 * rel(y_cpu, x.float()) + 1e-6
+
+
+def heavy_rows(T=192, L=5, H=5120, seed=4) -> torch.Tensor:
+    """27B-shaped activations [T, L, H] bf16: log-normal channel scales, massive channels at 100-1000x the median
+    (the first and last channels of groups far apart too), a few rows rounded to 7 levels (many equal magnitudes
+    across the row), an all-zero row and an all -0.0 row."""
+    x = activations(T, L, H, seed).float()
+    g = torch.Generator().manual_seed(seed)
+    med = x.abs().median()
+    for c in (0, H // 5 + 8, H // 2 - 1, H - 1):
+        x[:, :, c] = (torch.rand(T, L, generator=g) * 900 + 100) * med * torch.randn(T, L, generator=g).sign()
+    x[:4] = (x[:4] / med).round().clamp(-3, 3) * med
+    x[4, 0], x[5, 1] = 0.0, -0.0
+    return x.to(torch.bfloat16)
+
+
+def tied_rows(T=64, L=3, H=128, seed=5) -> torch.Tensor:
+    """Values on 4 levels of magnitude [T, L, H] bf16 (every row's 4 largest |x| are ties), with zero rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (T, L, H), generator=g) * 0.25
+    x[0, 0], x[0, 1] = 0.0, -0.0
+    return x.to(torch.bfloat16)
+
+
+def kernel_parts_are_the_reference(x: torch.Tensor, n: int, parts: dict) -> None:
+    """`parts` (encode's intN parts of x, from the kernel) against the CPU reference: its channels are the 4 largest
+    |x|, the lowest channel first among equal magnitudes (so torch.topk's magnitudes, in its order), and its bytes
+    are `_encode_int_at`'s at those channels, to the bit."""
+    from pipeline.encoding import _encode_int_at
+
+    f, s, o = (parts[k].cpu() for k in ("features", "scales", "outliers"))
+    xf = x.cpu().to(torch.bfloat16).float()  # [..., H]
+    top = ((o >> 16) & 0xFFFF).long()  # [..., 4] the kernel's channels
+    assert torch.equal(top, torch.sort(-xf.abs(), dim=-1, stable=True).indices[..., :OUTLIERS]), n
+    assert torch.equal(xf.abs().gather(-1, top), xf.abs().topk(OUTLIERS, dim=-1).values), n
+    ref = _encode_int_at(xf, top, n)
+    for k, v in (("features", f), ("scales", s), ("outliers", o)):
+        assert v.dtype == ref[k].dtype and torch.equal(v, ref[k]), (n, k, (v != ref[k]).sum().item())
+
+
+def test_the_cpu_encode_is_the_reference_at_the_kernels_channels_but_where_magnitudes_tie():
+    """The CPU's intN parts (torch.topk's outliers) equal `_encode_int_at` at the lowest-channel-first outliers (the
+    GPU kernel's, tested equal to it there) on every row without a tie among its 5 largest |x|: so the GPU's and the
+    CPU's stores differ only where torch.topk's order is unspecified."""
+    from pipeline.encoding import _encode_int, _encode_int_at
+
+    x = heavy_rows(T=32, L=2, H=512)
+    xf = x.float()
+    top = torch.sort(-xf.abs(), dim=-1, stable=True).indices[..., :OUTLIERS]
+    five = xf.abs().topk(OUTLIERS + 1, dim=-1).values
+    tied = (five[..., 1:] == five[..., :-1]).any(-1)  # [T, L]
+    assert 4 <= tied.sum() < tied.numel() // 2  # the rounded rows and the zero rows
+    for n in INT_BITS.values():
+        cpu, ref = _encode_int(x, n), _encode_int_at(xf, top, n)
+        for k in cpu:
+            assert torch.equal(cpu[k][~tied], ref[k][~tied]), (n, k)
+
+
+def check_int_kernel(device: str) -> None:
+    """The intN encode on `device` (on CUDA: pipeline/int_encode_kernel.py) against the reference (see
+    kernel_parts_are_the_reference); the body of the GPU test below."""
+    big, tied = heavy_rows(), tied_rows()
+    for encoding, n in INT_BITS.items():
+        kernel_parts_are_the_reference(tied, n, encode(tied.to(device), encoding))  # hidden 128
+        parts = encode(big.to(device), encoding)
+        kernel_parts_are_the_reference(big, n, parts)
+        # decoded: the outliers exact, the rest as accurate as the CPU's encode (which may zero another of equal
+        # magnitudes: the rows of ties)
+        y, y_cpu = decode(parts, encoding, torch.float32).cpu(), decode(encode(big, encoding), encoding, torch.float32)
+        top = ((parts["outliers"].cpu() >> 16) & 0xFFFF).long()
+        assert torch.equal(y.gather(-1, top), big.float().gather(-1, top))
+        assert rel(y, big.float()) < 1.01 * rel(y_cpu, big.float()) + 1e-6, encoding
+    parts = encode(big.to(device), "int5+int8last")  # layer slices of a contiguous [T, L, H]
+    kernel_parts_are_the_reference(big[:, :-1], 5, parts)
+    kernel_parts_are_the_reference(big[:, -1:], 8, {k[len(LAST):]: v for k, v in parts.items() if k.startswith(LAST)})
+    on = big.to(device)
+    noise = 1 + 1e-3 * torch.randn(big.shape, generator=torch.Generator().manual_seed(6))
+    for x in (on.transpose(0, 1).contiguous().transpose(0, 1),  # rows of two strides
+              torch.stack([on, on], -1).flatten(-2)[..., ::2],  # channels of stride 2
+              on.reshape(8, -1, 5, 5120)[:, 1:],  # [B, S, L, H], a slice
+              (big.float() * noise).to(device)):  # fp32 values that bf16 does not hold
+        kernel_parts_are_the_reference(x, 4, encode(x, "int4"))
+
+
+@pytest.mark.gpu
+def test_the_triton_int_encode_equals_the_reference_at_its_own_channels():
+    """pipeline/int_encode_kernel.py (encode's intN on CUDA) on 27B-shaped rows with massive channels, rows of ties,
+    zero rows, hidden 128, every N, a mixed encoding and non-contiguous and fp32 inputs: the reference's bytes at the
+    kernel's outlier channels, which are the largest |x| with the lowest channel first among ties."""
+    from pipeline import encoding, int_encode_kernel
+
+    assert (int_encode_kernel.GROUP, int_encode_kernel.OUTLIERS) == (encoding.GROUP, encoding.OUTLIERS)
+    assert (int_encode_kernel.FP16_TINY, int_encode_kernel.FP16_MAX) == (encoding._FP16_TINY, encoding._FP16_MAX)
+    check_int_kernel("cuda")
