@@ -1,6 +1,7 @@
 """Run the `dflash` command line in a subprocess for tests, without a GPU; fail with its output on a bad exit
 (`dflash`), several refusing commands in one subprocess (`dflash_each`) or independent ones side by side
-(`dflash_all`); any command in the background (`start`, `must_pass`) or several side by side (`side_by_side`)."""
+(`dflash_all`); any command in the background (`start`, `must_pass`; `selected` for a fixture that starts the
+commands of several tests ahead) or several side by side (`side_by_side`)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,15 @@ def side_by_side(*runs: tuple, timeout=HANG_S) -> list[subprocess.CompletedProce
     each, in order, as subprocess.run(..., capture_output=True, text=True) gives."""
     started = [start(argv, env) for argv, env in runs]
     return [s.result(timeout) for s in started]
+
+
+def selected(request, *names: str) -> list:
+    """The items this session will run of the requesting module's test functions `names` (one per parametrization),
+    for a module fixture that starts their slow commands together, ahead (an item's callspec gives its params).
+    Under pytest-xdist none: another worker may run the others, so each test starts its own when it asks."""
+    if hasattr(request.config, "workerinput"):
+        return []
+    return [i for i in request.session.items if i.path == request.path and getattr(i, "originalname", None) in names]
 
 
 def must_pass(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

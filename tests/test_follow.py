@@ -110,9 +110,10 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from helpers_cli import FEW_ANCHORS, HANG_S  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S, selected  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -166,15 +167,11 @@ def _stream_order(store: str) -> list[int]:
     return [sid for _, _, sid in sorted(keyed)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("packing", [False, True])
-def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tmp_path, packing):
-    """Extraction is stopped (Ctrl-C) early: training starts on what is committed, trains, and waits, saying so.
-    Extraction resumes; training is stopped (Ctrl-C) and resumed while extraction goes on. In the end every
-    training sample was trained exactly once per epoch on one rank; the first epoch in commit order (the
-    stream, recomputed here from the store), continued at the same position after the stop. With packing
-    (train.packing) the stream's batches are packed into rows as they come, the later epochs follow the
-    packing plan of the finished store, and the same holds."""
+def _follow_a_slow_extraction(tmp_path: Path, packing: bool) -> tuple:
+    """The follow test's processes (see its docstring): extraction stopped early, training on what is committed
+    until it waits, extraction resumed, training stopped and resumed while extraction goes on, both to the end.
+    Returns (store, run, the checkpoint step it resumed from, each rank's sample-log lines at the stop, rank 0's
+    log) for the test's checks."""
     store, run = str(tmp_path / "store.zarr"), tmp_path / "run"
     extract = ["extract", "--config", TINY, "--shards", "2", "--store", store, "--set", "data.max_samples=240",
                "--set", "extract.token_budget=1024"]
@@ -206,6 +203,49 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(tm
                        capture_output=True, text=True, timeout=LONG)
     assert r.returncode == 0, r.stderr[-3000:]
     assert x.wait(timeout=LONG) == 0
+    return store, run, ckpt, stopped, log
+
+
+FOLLOW_TEST = "test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides"
+
+
+@pytest.fixture(scope="module")
+def follow_runs(request, tmp_path_factory):
+    """packing -> a future of _follow_a_slow_extraction's result. The selected cases of the follow test all start
+    at the first one's setup, each in its own thread: a case spends much of its time in waits (extraction is
+    slowed 0.7 s a batch, training waits for it), which leaves the 2 cores to the other. Each test then takes
+    its own case's result (an assertion that failed in its thread is raised there)."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = _Lazy(lambda packing: pool.submit(_follow_a_slow_extraction,
+                                             tmp_path_factory.mktemp(f"follow-packing-{packing}"), packing))
+    for item in selected(request, FOLLOW_TEST):
+        runs[item.callspec.params["packing"]]
+    yield runs
+    pool.shutdown(wait=True)
+
+
+class _Lazy(dict):
+    """A dict that makes a missing key's value with `make(key)` (a case not started with the others)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True])
+def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(follow_runs, packing):
+    """Extraction is stopped (Ctrl-C) early: training starts on what is committed, trains, and waits, saying so.
+    Extraction resumes; training is stopped (Ctrl-C) and resumed while extraction goes on. In the end every
+    training sample was trained exactly once per epoch on one rank; the first epoch in commit order (the
+    stream, recomputed here from the store), continued at the same position after the stop. With packing
+    (train.packing) the stream's batches are packed into rows as they come, the later epochs follow the
+    packing plan of the finished store, and the same holds. (Both cases run side by side: follow_runs.)"""
+    store, run, ckpt, stopped, log = follow_runs[packing].result()
     per_rank = {rk: [b for b in _lines(run, rk)[: stopped[rk]] if b["step"] < ckpt] + _lines(run, rk)[stopped[rk]:]
                 for rk in (0, 1)}
     assert len(per_rank[0]) == len(per_rank[1])  # the same number of batches on both ranks
