@@ -4,6 +4,7 @@ and the recoded store trains."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from pipeline.encoding import decode, from_storage
 from stages.recode import run_recode
 
 from helpers_cli import dflash  # noqa: E402
+from helpers_cli import dflash_all, must_pass, start  # noqa: E402 - independent commands side by side
 from helpers_cli import dflash_each  # noqa: E402 - several refusing commands in one subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,15 +55,17 @@ def test_recode_keeps_samples_and_features_and_is_inspectable(src, tmp_path, enc
     attrs = st.read_root_attrs(dst)
     assert attrs["encoding"] == encoding and attrs["recoded_from"]["encoding"] == "bf16"
     assert st.exists(st.frozen_head_path(dst))
-    assert "is valid" in dflash("verify", dst).stdout
-    out = dflash("inspect", dst).stdout
+    # three commands that only read the recoded store, side by side: verify, inspect, and a training (the recoded
+    # store trains, decoded on the device in the step)
+    run = tmp_path / "run"
+    train = ["train", "--config", TINY, "--store", dst, "--set", f"train.run_dir={run}", "--set", "train.max_steps=3",
+             "--set", "train.num_workers=0", "--no-export"]
+    verify, inspect, t = dflash_all(["verify", dst], ["inspect", dst], train)
+    assert "is valid" in verify.stdout
+    out = inspect.stdout
     assert f"encoding {encoding}" in out and "x smaller" in out and "outliers" in out
     again = dflash("recode", src, dst, "--encoding", encoding)  # finished: nothing rewritten
     assert again.returncode == 0
-    # the recoded store trains (decoded on the device in the step)
-    run = tmp_path / "run"
-    t = dflash("train", "--config", TINY, "--store", dst, "--set", f"train.run_dir={run}", "--set", "train.max_steps=3",
-               "--set", "train.num_workers=0", "--no-export")
     assert "3 steps" in t.stderr
 
 
@@ -99,7 +103,10 @@ def test_recode_refusals(src, tmp_path):
     g = zarr.open_group(partial, mode="a")["shards/00001"]
     unfinished = {**g.attrs["progress"], "done": False}  # as a stopped extraction leaves it (with its checksum)
     g.update_attributes({"progress": unfinished, st.PROGRESS_SHA: st.digest(unfinished)})
-    # five refusals: five commands, one subprocess (helpers_cli.dflash_each)
+    # a recode of the lossy store (it only reads it), beside the five refusals: five commands, one subprocess
+    # (helpers_cli.dflash_each)
+    lossy2 = start([sys.executable, "-m", "stages.cli", "recode", dst, str(tmp_path / "lossy2.zarr"), "--encoding",
+                    "int4"])
     same, other_encoding, int3, nothing, unfinished_src = dflash_each(
         ["recode", src, src, "--encoding", "int4"], ["recode", src, dst, "--encoding", "int6"],
         ["recode", src, str(tmp_path / "y.zarr"), "--encoding", "int3"],
@@ -115,5 +122,5 @@ def test_recode_refusals(src, tmp_path):
     assert r.returncode == 2 and "no store at" in r.stderr
     r = unfinished_src
     assert r.returncode == 2 and "not complete" in r.stderr and "dflash extract" in r.stderr
-    r = dflash("recode", dst, str(tmp_path / "lossy2.zarr"), "--encoding", "int4")
+    r = must_pass(lossy2.result())
     assert "compounds the errors" in r.stderr
