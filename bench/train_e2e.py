@@ -38,6 +38,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -229,11 +230,15 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                          env={**os.environ, "DFLASH_COMPILE_CACHE": str(cache), "DFLASH_SAMPLE_LOG": "1",
                               "DFLASH_EXIT_STACKS": "3"})  # the exit's Python stacks every 3 s (stages/train_fit.say_end)
-    lines = []
+    lines, exited = [], []
+    waiter = threading.Thread(target=lambda: (p.wait(), exited.append(time.time() - t0)), daemon=True)
+    waiter.start()  # the process's own exit; stderr closes only when its children holding it are gone too
     for line in p.stderr:
         lines.append((time.time() - t0, line.rstrip()))
         print(f"[{lines[-1][0]:7.1f}s] {line.rstrip()}", flush=True)
+    closed = time.time() - t0
     rc = p.wait()
+    waiter.join()
     firsts = [float(m.group(1)) for _, x in lines if (m := re.search(r"first batch done ([0-9.]+) s", x))]
     first = max(firsts) if firsts else None  # with several ranks, the step waits for the slowest
     final_at, final = next(((t, float(m.group(1))) for t, x in lines
@@ -264,7 +269,8 @@ def run(store: Path, run_dir: Path, cache: Path, steps: int, lr: str, config: st
             "startup_phases_s": startup, "fit_setup_parts_s": fit_parts, "first_batch_compiles_s": compiles,
             "head_thread_s": head, "end_phases_s": end, "exit_handlers_begin_s": handlers,
             "checkpoint_stalls_s": stalls, **bubbles, **recompiles(lines),
-            "exit_after_final_checkpoint_s": None if final_at is None else time.time() - t0 - final_at,
+            "exit_after_final_checkpoint_s": None if final_at is None else exited[0] - final_at,
+            "stderr_closed_after_final_checkpoint_s": None if final_at is None else closed - final_at,
             "useful": kept, "profile": profile, "log": [f"{t:7.1f}s {x}" for t, x in lines]}
 
 
@@ -364,7 +370,9 @@ def main() -> int:
                 print(f"    {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in r[key].items()))
         if r.get("exit_handlers_begin_s") is not None:
             print(f"    exit: its handlers began {r['exit_handlers_begin_s']:.1f} s after the end line; the process was "
-                  f"gone {ex:.1f} s after the final checkpoint (the stacks in the log: DFLASH_EXIT_STACKS)")
+                  f"gone {ex:.1f} s after the final checkpoint, its stderr closed (children holding it gone) "
+                  f"{r['stderr_closed_after_final_checkpoint_s']:.1f} s after it (the stacks in the log: "
+                  "DFLASH_EXIT_STACKS)")
         print(f"    recompiles: {r['recompiles_by_step_1']} by the first step's line, {r['recompiles_after_step_1']} after it")
         if r.get("median_step_s") and keep is None:
             med_mfu = accum / r["median_step_s"] * flops / (a.peak_tflops * 1e12)

@@ -194,11 +194,22 @@ class FinalCheckpoint:
                   file=sys.stderr, flush=True)
         self.end = StartupPhases(t)
         self.end.mark("final checkpoint")
+        sample_stacks()  # what the rest of the end does (Lightning's teardown, the exit), for benches
 
     def mark(self, name: str) -> None:
         """End the end's phase `name` (after the final checkpoint: Lightning's teardown, the loaders, the export)."""
         if self.end is not None:
             self.end.mark(name)
+
+
+def sample_stacks() -> None:
+    """With DFLASH_EXIT_STACKS=S: every thread's Python stack every S seconds from now until the process is gone
+    (faulthandler's watchdog: a sampling profile of a run's end for benches, issue 46); else nothing."""
+    import faulthandler
+
+    every = float(os.environ.get("DFLASH_EXIT_STACKS", "0") or 0)
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
 
 
 class ValidateAtEnd(L.Callback):

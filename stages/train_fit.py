@@ -221,13 +221,11 @@ def say_end(end) -> None:
     """The end line (`train: end T s: final checkpoint s, Lightning teardown s, loaders s, checkpoint wait s,
     export s, summary s`, from the last step), then what keeps the process alive after it (issue 46): one line when
     the interpreter's exit handlers begin (`train: exit handlers begin S s after the end line`: the wait for
-    threads that are not daemons comes before them), and with DFLASH_EXIT_STACKS=S every thread's Python stack
-    every S seconds until the process is gone (faulthandler: a sampling profile of the exit, for benches)."""
+    threads that are not daemons comes before them). With DFLASH_EXIT_STACKS=S the stacks are sampled from the
+    final checkpoint on (stages/progress.sample_stacks)."""
     if end is None:  # no completed fit here (resumed at its last step): nothing measured
         return
     import atexit
-    import faulthandler
-    import os
     import time
 
     print(end.line(phase="end"), file=sys.stderr, flush=True)
@@ -235,9 +233,6 @@ def say_end(end) -> None:
     # registered last, so it runs first of the exit handlers
     atexit.register(lambda: print(f"train: exit handlers begin {time.time() - said:.1f} s after the end line",
                                   file=sys.stderr, flush=True))
-    every = float(os.environ.get("DFLASH_EXIT_STACKS", "0") or 0)
-    if every > 0:
-        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
 
 
 def serve_lines(export_dir: str) -> str:
