@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_cli import FEW_ANCHORS, HANG_S, dflash, dflash_each  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S, dflash, dflash_each, must_pass, start  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -29,17 +29,10 @@ def _train_args(store, run_dir, *extra):
             "--set", "target.path=/nonexistent/target-checkpoint", "--set", "train.num_workers=1", *extra]
 
 
-def _start(args: list, log: Path) -> subprocess.Popen:
-    """A dflash command in the background (its stderr to `log`), for a run that only gives a reference and can
-    overlap the test's other runs; _finish waits for it (a hang guard only) and wants exit 0."""
-    with open(log, "w") as err:  # the child writes its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=ROOT,
-                                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, stdout=subprocess.DEVNULL, stderr=err)
-
-
-def _finish(p: subprocess.Popen, log: Path) -> None:
-    rc = p.wait(timeout=HANG_S)
-    assert rc == 0, f"dflash {' '.join(map(str, p.args[3:]))} exited {rc}\n{log.read_text()[-3000:]}"
+def _start(args: list):
+    """A dflash command in the background (helpers_cli.start), for a run that only gives a reference and can
+    overlap the test's other runs; must_pass(run.result()) waits for it (a hang guard only) and wants exit 0."""
+    return start([sys.executable, "-m", "stages.cli", *args])
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -73,7 +66,7 @@ def test_export_matches_trained_module(tiny_store, tmp_path):
     run = tmp_path / "run"
     # a second run of the same seed, for the reproduction checked at the end, beside the first
     again_run = _start(_train_args(tiny_store, tmp_path / "again", "--set", "train.max_steps=3", "--no-export",
-                                   *FEW_ANCHORS), tmp_path / "again.log")
+                                   *FEW_ANCHORS))
     dflash(*_train_args(tiny_store, run, "--set", "train.max_steps=3", "--no-export", *FEW_ANCHORS))
     ckpt = str(run / "checkpoints" / "last.ckpt")
     out = export_checkpoint(ckpt, str(tmp_path / "export"), dtype="float32")
@@ -94,7 +87,7 @@ def test_export_matches_trained_module(tiny_store, tmp_path):
         b = exported(emb, exported.project_context(feats), q_pos, ctx_pos, attend)
     torch.testing.assert_close(a, b)
     # the same seed reproduces the run: seeded initial weights, seeded data order and anchors
-    _finish(again_run, tmp_path / "again.log")
+    must_pass(again_run.result())
     again, _ = load_checkpoint_drafter(str(tmp_path / "again" / "checkpoints" / "last.ckpt"))
     for (name, p), q in zip(trained.state_dict().items(), again.state_dict().values()):
         assert torch.equal(p, q), name
@@ -130,8 +123,7 @@ def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
     # a fresh run of the same length, for the step count the resumed run must reach exactly (the anchors a sample
     # change no step count: FEW_ANCHORS, as the runs below), beside the killed and the resumed run
     ref = tmp_path / "ref"
-    ref_run = _start(_train_args(tiny_store, ref, "--set", "train.epochs=2", "--no-export", *FEW_ANCHORS),
-                     tmp_path / "ref.log")
+    ref_run = _start(_train_args(tiny_store, ref, "--set", "train.epochs=2", "--no-export", *FEW_ANCHORS))
     args = [sys.executable, "-m", "stages.cli", *_train_args(tiny_store, run, "--set", "train.checkpoint_every=5",
                                                                "--set", "train.epochs=2", "--no-export", *FEW_ANCHORS)]
     p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
@@ -152,7 +144,7 @@ def test_kill_and_resume_continues_from_checkpoint(tiny_store, tmp_path):
                             "--no-export", *FEW_ANCHORS), "--resume")
     after = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=False)
     total = json.loads((run / "summary.json").read_text())["global_step"]
-    _finish(ref_run, tmp_path / "ref.log")
+    must_pass(ref_run.result())
     assert total == json.loads((ref / "summary.json").read_text())["global_step"] > step0
     assert after["global_step"] == total
     assert after["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["epoch"] == 1
