@@ -207,19 +207,25 @@ def _follow_a_slow_extraction(tmp_path: Path, packing: bool) -> tuple:
 
 
 FOLLOW_TEST = "test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides"
+UNFINISHED_TEST = "test_train_on_an_unfinished_store_says_it_follows"
 
 
 @pytest.fixture(scope="module")
 def follow_runs(request, tmp_path_factory):
-    """packing -> a future of _follow_a_slow_extraction's result. The selected cases of the follow test all start
-    at the first one's setup, each in its own thread: a case spends much of its time in waits (extraction is
-    slowed 0.7 s a batch, training waits for it), which leaves the 2 cores to the other. Each test then takes
-    its own case's result (an assertion that failed in its thread is raised there)."""
-    pool = ThreadPoolExecutor(max_workers=2)
-    runs = _Lazy(lambda packing: pool.submit(_follow_a_slow_extraction,
-                                             tmp_path_factory.mktemp(f"follow-packing-{packing}"), packing))
-    for item in selected(request, FOLLOW_TEST):
-        runs[item.callspec.params["packing"]]
+    """A future of each slow run below: packing -> _follow_a_slow_extraction's result, "unfinished" ->
+    _train_on_an_unfinished_store's. The selected ones all start at the first one's setup, each in its own
+    thread: each spends much of its time in waits (extraction is slowed 0.5-0.7 s a batch, training waits for
+    it), which leaves the 2 cores to the others. Each test then takes its own result (an assertion that failed
+    in its thread is raised there)."""
+    pool = ThreadPoolExecutor(max_workers=3)
+
+    def make(key):
+        tmp = tmp_path_factory.mktemp(f"follow-{key}")
+        return pool.submit(*((_train_on_an_unfinished_store, tmp) if key == "unfinished" else
+                             (_follow_a_slow_extraction, tmp, key)))
+    runs = _Lazy(make)
+    for item in selected(request, FOLLOW_TEST, UNFINISHED_TEST):
+        runs[item.callspec.params["packing"] if item.originalname == FOLLOW_TEST else "unfinished"]
     yield runs
     pool.shutdown(wait=True)
 
@@ -321,8 +327,9 @@ def test_a_shard_begun_with_the_old_plan_resumes_with_it(tmp_path):
                                                         for m in b.members]
 
 
-@pytest.mark.slow
-def test_train_on_an_unfinished_store_says_it_follows(tmp_path):
+def _train_on_an_unfinished_store(tmp_path: Path) -> tuple:
+    """The next test's processes: an extraction stopped (Ctrl-C) with 20 training samples readable, then a plain
+    `dflash train` of 2 steps on that store. Returns (the training's CompletedProcess, its run dir)."""
     store, run = str(tmp_path / "s.zarr"), tmp_path / "run"
     x = _cli("extract", "--config", TINY, "--shards", "2", "--store", store, "--set", "data.max_samples=200",
              "--set", "extract.token_budget=1024", env={**ENV, "DFLASH_TEST_EXTRACT_DELAY": "0.5"})
@@ -333,6 +340,13 @@ def test_train_on_an_unfinished_store_says_it_follows(tmp_path):
                         "--set", f"train.run_dir={run}", "--set", "train.max_steps=2", "--set", "train.num_workers=0",
                         "--set", "train.batch_size=4", "--set", "train.follow_buffer=8"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=LONG)
+    return r, run
+
+
+@pytest.mark.slow
+def test_train_on_an_unfinished_store_says_it_follows(follow_runs):
+    """(Its processes run beside the follow test's: follow_runs.)"""
+    r, run = follow_runs["unfinished"].result()
     assert r.returncode == 0, r.stderr[-3000:]
     assert "is still being written (shard(s) [" in r.stderr and "training follows the extraction" in r.stderr
     assert [b["epoch"] for b in _lines(run, 0)] == [0, 0]
