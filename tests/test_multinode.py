@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_cli import HANG_S, TINY
+from helpers_cli import HANG_S, TINY, must_pass, selected, start
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
@@ -89,13 +89,18 @@ def _assert_same_weights(a: dict, b: dict, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_node(tiny_store, tmp_path_factory) -> Path:
-    """The reference: `dflash train --devices 2` on one node."""
+def one_node(tiny_store, tmp_path_factory):
+    """The reference: `dflash train --devices 2` on one node, started in the background at the first test that
+    needs it, so that test's own nodes run beside it; calling it waits for it (exit 0) and gives its run dir."""
     run = tmp_path_factory.mktemp("one-node") / "run"
-    r = subprocess.run([sys.executable, "-m", "stages.cli", *_args(tiny_store, run, "--devices", "2")], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=HANG_S)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run
+    ref, done = start([sys.executable, "-m", "stages.cli", *_args(tiny_store, run, "--devices", "2")], _env()), []
+
+    def finished() -> Path:
+        if not done:
+            done.append(must_pass(ref.result()))
+        return run
+    yield finished
+    finished()  # (not left running past the module)
 
 
 @pytest.mark.slow
@@ -104,7 +109,7 @@ def test_two_nodes_train_the_same_weights_as_one_node_of_two_ranks(tiny_store, o
     results = _finish(_two_nodes("torchrun", tiny_store, run))
     for n, (rc, out) in enumerate(results):
         assert rc == 0, f"node {n} exited {rc}\n{out[-3000:]}"
-    ref = _weights(one_node)
+    ref = _weights(one_node())
     assert ref["global_step"] > 2
     _assert_same_weights(ref, _weights(run), "2 nodes x 1 rank vs 1 node x 2 ranks")
     assert "train: step" in results[0][1] and "train: step" not in results[1][1]  # only global rank 0 reports
@@ -137,26 +142,52 @@ def test_a_killed_node_stops_the_other_with_the_resume_hint_and_one_node_resumes
     hint = out0.rsplit("with: ", 1)[1].splitlines()[0]
     assert hint.startswith("dflash train ") and hint.endswith("--resume"), hint
     step = _weights(run)["global_step"]
-    assert 2 <= step < _weights(one_node)["global_step"]
+    assert 2 <= step < _weights(one_node())["global_step"]
     r = subprocess.run([sys.executable, "-m", "stages.cli", *_args(tiny_store, run, "--devices", "2", "--resume")],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"train: step {step + 1}/" in r.stderr  # continued from the last checkpoint
-    _assert_same_weights(_weights(one_node), _weights(run), f"killed after step {step}, resumed on one node")
+    _assert_same_weights(_weights(one_node()), _weights(run), f"killed after step {step}, resumed on one node")
+
+
+LONE_TEST = "test_a_node_that_cannot_reach_the_master_fails_within_the_rendezvous_timeout"
+
+
+def _start_lone_node(store: str, tmp: Path) -> tuple:
+    """Node 1 of 2 whose master never comes, in the background: (its port, the held socket, its run dir, the
+    process). The port is bound here and never listened on: a connection is refused as if nobody were there,
+    and no other process (the other tests' nodes) can take the port meanwhile."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port, run = sock.getsockname()[1], tmp / "run"
+    args = _args(store, run, "--num-nodes", "2", "--devices", "1", "--set", "train.rendezvous_timeout_s=5")
+    return port, sock, run, start([sys.executable, "-m", "stages.cli", *args], node_env("plain", 1, 2, port))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lone_node(request, tmp_path_factory):
+    """_start_lone_node's node, started at this module's first test when the session runs its test: it mostly
+    waits (its imports, then the rendezvous timeout), beside the other tests' runs; None otherwise."""
+    if not selected(request, LONE_TEST):
+        yield None
+        return
+    lone = _start_lone_node(request.getfixturevalue("tiny_store"), tmp_path_factory.mktemp("lone-node"))
+    yield lone
+    lone[3].result()  # (not left running past the module)
+    lone[1].close()
 
 
 @pytest.mark.slow
-def test_a_node_that_cannot_reach_the_master_fails_within_the_rendezvous_timeout(tiny_store, tmp_path):
-    port = free_port()  # nobody listens: node 0 never came
-    args = _args(tiny_store, tmp_path / "run", "--num-nodes", "2", "--devices", "1", "--set",
-                 "train.rendezvous_timeout_s=5")
-    p = _start(args, node_env("plain", 1, 2, port))
-    out = p.communicate(timeout=HANG_S)[0]
-    assert p.returncode == 2, out[-3000:]
+def test_a_node_that_cannot_reach_the_master_fails_within_the_rendezvous_timeout(tiny_store, lone_node, tmp_path):
+    port, sock, run, p = lone_node or _start_lone_node(tiny_store, tmp_path)  # nobody listens: node 0 never came
+    r = p.result()
+    sock.close()
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
     line = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert line and f"did not all join the process group at 127.0.0.1:{port} within train.rendezvous_timeout_s=5 s" \
         in line[0] and "nothing was trained" in line[0], out[-3000:]
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (run / "checkpoints").exists()
 
 
 @pytest.mark.slow
