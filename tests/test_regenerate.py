@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from data.ingest import IngestError, ingest, tokenize_conversation  # noqa: E402
 from data.prompts import check_renders, read_prompts, split_segments  # noqa: E402
-from helpers_cli import HANG_S, TINY, dflash  # noqa: E402
+from helpers_cli import HANG_S, TINY, dflash, must_pass, selected, start  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 from regen_helpers import (END, ROOT, greedy_conversation, greedy_loop, read_jsonl,  # noqa: E402
                            tiny_model_and_tokenizer, write_prompts)
@@ -213,13 +213,34 @@ def test_bad_line_fails_before_any_model_work(tmp_path):
     assert not (tmp_path / "o").exists()  # nothing written, no worker started
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    """An uninterrupted CLI run over 48 conversations, 2 shards, small batches."""
-    d = tmp_path_factory.mktemp("regen")
+def _start_reference(d: Path) -> tuple:
+    """(prompts, out, the run): an uninterrupted CLI run over 48 conversations, 2 shards, small batches, started in
+    the background (helpers_cli.start)."""
     prompts = write_prompts(d / "chat.jsonl", 48)
     out = d / "ref"
-    dflash("regenerate", "--prompts", str(prompts), "--out", str(out), "--shards", "2", *SMALL)
+    run = start([sys.executable, "-m", "stages.cli", "regenerate", "--prompts", str(prompts), "--out", str(out),
+                 "--shards", "2", *SMALL])
+    return prompts, out, run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reference_ahead(request, tmp_path_factory):
+    """The reference run (reference_run), started at this module's first test when the session runs a test that
+    needs it: the in-process tests before those run on one thread (`tiny`), which leaves it the other core."""
+    if not selected(request, "test_cli_output_is_what_extract_reads",
+                    "test_resume_after_kill9_and_ctrl_c_equals_uninterrupted"):
+        yield None
+        return
+    prompts, out, run = _start_reference(tmp_path_factory.mktemp("regen"))
+    yield prompts, out, run
+    run.result()  # (not left running past the module)
+
+
+@pytest.fixture(scope="module")
+def reference_run(_reference_ahead, tmp_path_factory):
+    """An uninterrupted CLI run over 48 conversations, 2 shards, small batches: (prompts, out), once it ended."""
+    prompts, out, run = _reference_ahead or _start_reference(tmp_path_factory.mktemp("regen"))
+    must_pass(run.result())
     return prompts, out
 
 
