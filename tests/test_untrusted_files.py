@@ -5,13 +5,14 @@ real checkpoints keep loading."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers_cli import TINY, dflash
-from helpers_cli import dflash_all, dflash_each  # side by side / refusals in one subprocess
+from helpers_cli import dflash_all, dflash_each, must_pass, start  # side by side / refusals in one subprocess
 from pipeline.ckpt_io import UnreadableCheckpoint, UnsafeCheckpoint, load_training_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,11 +138,14 @@ def test_export_eval_and_resume_refuse_a_planted_checkpoint(trained, tmp_path):
 @pytest.mark.slow  # dflash subprocesses over a trained run: 10-14 s each (the fast subset's 3-minute budget)
 def test_eval_refuses_a_store_of_another_target_as_train_does(trained, tmp_path):
     store, run = trained
+    alone = tmp_path / "alone"  # an export outside its run: what it recorded of its target is compared
+    os.system(f"cp -r {run / 'export'} {alone}")
+    # that export evaluated on its own target's store (checked last), beside the extraction of the other store
+    own = start([sys.executable, "-m", "stages.cli", "eval", str(alone), "--store", store, "--max-samples", "2",
+                 "--out", str(tmp_path / "ev-own")])
     other = str(tmp_path / "other.zarr")  # the same tiny weights, extracted as another target
     dflash("extract", "--config", TINY, "--shards", "1", "--store", other, "--set", "data.max_samples=16",
            "--set", "target.name=other-target")
-    alone = tmp_path / "alone"  # an export outside its run: what it recorded of its target is compared
-    os.system(f"cp -r {run / 'export'} {alone}")
     # train and three evals refuse the store: four commands, one subprocess (dflash_each)
     r, *evals, r_alone = dflash_each(
         ["train", "--config", TINY, "--store", other, "--set", f"train.run_dir={tmp_path / 't'}"],
@@ -158,7 +162,7 @@ def test_eval_refuses_a_store_of_another_target_as_train_does(trained, tmp_path)
     r = r_alone
     assert _error(r).startswith(f"error: the store does not match the drafter {alone}")
     assert "store was extracted from 'other-target', the drafter was trained for 'dflash-tiny-target'" in r.stderr
-    r = dflash("eval", str(alone), "--store", store, "--max-samples", "2", "--out", str(tmp_path / "ev"))
+    r = must_pass(own.result())
     assert "eval: offline tau" in r.stderr
 
 
@@ -224,6 +228,8 @@ def test_damaged_weights_are_refused_by_eval_and_init_from_before_anything_is_wr
                 "train.num_workers=0", "--set", "train.batch_size=8", "--set", "train.max_steps=1",
                 "--no-export", "--init-from", str(export)]
 
+    # an intact export still starts a run (checked last), beside the refusals below
+    intact = start([sys.executable, "-m", "stages.cli", *init_from(run / "export", tmp_path / "r3")])
     # eval and --init-from refuse the damaged weights: three commands, one subprocess (dflash_each)
     r, r1, r2 = dflash_each(["eval", str(flipped), "--store", store, "--out", str(tmp_path / "ev")],
                             init_from(flipped, tmp_path / "r1"), init_from(torn, tmp_path / "r2"))
@@ -235,6 +241,5 @@ def test_damaged_weights_are_refused_by_eval_and_init_from_before_anything_is_wr
     line = _one_error_line(r2)
     assert "model.safetensors is not a readable safetensors file" in line and "truncated or damaged" in line
     assert not (tmp_path / "r2").exists()
-    # an intact export still starts a run
-    dflash(*init_from(run / "export", tmp_path / "r3"))
+    must_pass(intact.result())  # an intact export still starts a run
     assert (tmp_path / "r3" / "checkpoints" / "last.ckpt").exists()
