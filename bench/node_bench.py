@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -259,9 +260,14 @@ def extract_alone(a, env: dict) -> dict:
 
 
 def train_alone(a, env: dict) -> dict:
+    """Training alone on 3 GPUs, then on 1. The CPU smoke run (--tiny) runs the two side by side, each with its own
+    run dir and log: the same commands, and a CPU rate means nothing (tests/test_bench_parts.py runs this part
+    alone, and a 1-rank run's start-up leaves a core idle)."""
     store = a.root / "solo.zarr"
-    three = _timed_train(a, store, a.root / "solo-train3", "5,6,7", env, a.root / "logs" / "train3.log")
-    one = _timed_train(a, store, a.root / "solo-train1", "5", env, a.root / "logs" / "train1.log")
+    runs = [(a.root / "solo-train3", "5,6,7", a.root / "logs" / "train3.log"),
+            (a.root / "solo-train1", "5", a.root / "logs" / "train1.log")]
+    with ThreadPoolExecutor(max_workers=2 if a.tiny else 1) as pool:
+        three, one = pool.map(lambda r: _timed_train(a, store, r[0], r[1], env, r[2]), runs)
     scaling = three["samples_s"] / (3 * one["samples_s"]) if a.device == "cuda" else float("nan")
     return {"three": three, "one": one, "ddp3_scaling": scaling}
 

@@ -26,6 +26,9 @@ AFTER = {"ddpopts": "e2emfu", "tau-collect": "tau-start"}
 # the generic run below leaves them out (the suite ran each of them twice)
 DEDICATED = {"fastfwd": "test_fast_forward.py", "long": "test_long_samples.py", "longdiag": "test_long_samples.py",
              "packmfu": "test_pack_bench.py", "packtau": "test_pack_bench.py", "handover": "test_run_expand.py"}
+# parts whose tiny run is, command line for command line, part of another part's tiny run (gpualone: gputests'
+# second step on its own, a collection of the whole suite): the generic run leaves them out, a fast test checks it
+SAME_AS = {"gpualone": "gputests"}
 
 
 def steps_of(name: str, out: Path, tiny: bool) -> list[Step]:
@@ -127,13 +130,19 @@ def test_parts_left_out_of_the_generic_run_have_their_own():
     for name, test_file in DEDICATED.items():
         src = (ROOT / "tests" / test_file).read_text()
         assert name in PARTS and '"bench.parts", "run", "--tiny"' in src and f'"{name}"' in src, (name, test_file)
+    for name, other in SAME_AS.items():  # the same command lines, run by the other part's tiny run
+        mine, theirs = steps_of(name, ROOT / "out", True), steps_of(other, ROOT / "out", True)
+        assert mine and all(s.argv in [t.argv for t in theirs] for s in mine), (name, other)
+        assert other not in AFTER.values() and other not in DEDICATED and other not in SAME_AS, other
 
 
 # A part's tiny run is mostly start-up (imports in one process at a time), so two parts run side by side on the
 # suite's two cores: while a part's test waits for its run, the next selected parts start in the background as
-# soon as fewer than two run. node8 runs alone (nothing beside it, nothing started before it ends): its run phase
-# needs extraction still going when training steps, a balance a neighbour could tip.
-ALONE = {"node8"}
+# soon as fewer than two run. node8 starts alone (nothing beside it, nothing started before it ends) and stays
+# alone until its log (OUT/node8.log) shows its next phase: its run phase needs extraction still going when
+# training steps, a balance a neighbour could tip; its later phases (extraction alone, training alone) only need
+# a few commits or steps, however slow.
+ALONE = {"node8": ("node8.log", "=== extract")}
 SIDE_BY_SIDE = 2
 LIMIT_S = 1800  # one part's run, from its start
 
@@ -151,6 +160,15 @@ class _Run:
 
     def running(self) -> bool:
         return self.p.poll() is None
+
+    def alone_part_done(self) -> bool:
+        """Whether the part no longer needs the machine to itself (see ALONE): always, but for an ALONE part
+        before its log's marker line or its end."""
+        if self.names[-1] not in ALONE or not self.running():
+            return True
+        log, marker = ALONE[self.names[-1]]
+        path = self.out / log
+        return path.exists() and marker in path.read_text(errors="replace")
 
     def output(self) -> tuple[str, str]:
         return tuple((self.base / f).read_text(errors="replace") for f in ("stdout.txt", "stderr.txt"))
@@ -188,18 +206,20 @@ def _start_next(runs: dict, after: list[str], factory) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [p for p in PARTS if p not in AFTER.values() and p not in DEDICATED])
+@pytest.mark.parametrize("name", [p for p in PARTS
+                                  if p not in AFTER.values() and p not in DEDICATED and p not in SAME_AS])
 def test_part_runs_at_its_tiny_size_on_the_cpu(name, part_runs, request, tmp_path_factory):
     """What `bash bench/device_run.sh smoke` runs, each part in its own run (two side by side, see above): exit 0
     and every --out file written."""
     queue = _selected_parts(request)
-    after = [] if name in ALONE else queue[queue.index(name) + 1:]
+    after = queue[queue.index(name) + 1:]
     run = part_runs.pop(name, None) or _Run(name, tmp_path_factory.mktemp(f"part-{name}"))
     while run.running():
         if time.monotonic() - run.t0 > LIMIT_S:
             run.kill()
             pytest.fail(f"{name}: still running after {LIMIT_S} s")
-        _start_next(part_runs, after, tmp_path_factory)
+        if run.alone_part_done():
+            _start_next(part_runs, after, tmp_path_factory)
         time.sleep(0.5)
     _start_next(part_runs, after, tmp_path_factory)
     stdout, stderr = run.output()
@@ -211,6 +231,16 @@ def test_part_runs_at_its_tiny_size_on_the_cpu(name, part_runs, request, tmp_pat
                 assert Path(o).is_file(), f"{n}: {o} not written\n{stdout[-3000:]}"
             for _src, dst in s.copy:  # a study's rows reached OUT
                 assert Path(dst).exists(), f"{n}: {dst} not copied\n{stdout[-3000:]}"
+
+
+def test_an_alone_parts_marker_is_the_line_that_starts_its_next_phase():
+    """node8's marker (ALONE) is what bench/node_bench.py prints as the phase after its run phase begins."""
+    from bench.node_bench import PHASES
+
+    assert ALONE == {"node8": ("node8.log", "=== extract")}
+    assert PHASES.index("extract") == PHASES.index("run") + 1
+    assert 'print(f"=== {phase}", flush=True)' in (ROOT / "bench" / "node_bench.py").read_text()
+    assert steps_of("node8", ROOT / "out", True)[0].log == "node8.log"
 
 
 def test_fastfwd_runs_the_named_gpu_test_files_side_by_side_on_the_gpu_only(tmp_path, monkeypatch):
