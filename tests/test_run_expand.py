@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from helpers_cli import HANG_S, ROOT
+from helpers_cli import HANG_S, ROOT, must_pass, selected, start
 from pipeline.ckpt_io import load_training_checkpoint
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1"}
@@ -154,6 +154,11 @@ def test_kill_9_during_the_handover_then_the_same_command_gives_the_uninterrupte
     by_hand = tmp_path / "by_hand"
     if phase != "checkpoint":  # the handover checkpoint, to resume on two ranks by hand below
         shutil.copytree(run, by_hand)
+    # the run by hand reads only the finished store (and its own copy of the handover checkpoint): it goes beside
+    # the rerun whenever the rerun's two-rank start can be told now (the rerun resumes at the handover step; killed
+    # before that checkpoint, it trains on two ranks from step 0); the test still decides on the rerun's own logs
+    expected_from = 0 if phase == "checkpoint" else json.loads(stopped.read_text())["step"]
+    hand = _by_hand(phase, store, by_hand) if _needs_by_hand(phase, expected_from, expanded[1]) else None
     r = _run(_cmd(store, run))
     assert "(already complete)" in r.stderr and "extraction skipped" in r.stderr and "training on 2 CPU" in r.stderr
     # the uninterrupted run's samples in every optimizer step, on both sides of the handover
@@ -161,18 +166,31 @@ def test_kill_9_during_the_handover_then_the_same_command_gives_the_uninterrupte
     # and its weights, where the ranks trained the same steps: the step of the handover depends on when
     # extraction ended, and one rank accumulating two micro-batches sums the gradient in another order than two
     # ranks do (AdamW makes that 1e-4 by the end). Otherwise the run by hand on the same ranks is the yardstick
-    if phase == "relaunch" or _two_ranks_from(run) != _two_ranks_from(expanded[1]):
-        sets = [*SETS, f"train.run_dir={by_hand}"]
+    if _needs_by_hand(phase, _two_ranks_from(run), expanded[1]):
         if phase == "checkpoint":  # two ranks from the start, the global batch kept (as the rerun said)
             assert _two_ranks_from(run) == 0
-            sets += ["train.accumulate_grad_batches=1"]
-        cmd = [sys.executable, "-m", "stages.cli", "train", "--store", str(store), "--devices", "2", "--no-export",
-               *(["--follow"] if phase == "checkpoint" else ["--resume"]), *[w for s in sets for w in ("--set", s)]]
-        r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
-        assert r.returncode == 0, r.stderr[-4000:]
+        must_pass((hand or _by_hand(phase, store, by_hand)).result())
         _assert_same_weights(_weights(run), _weights(by_hand))
+    elif hand:  # started for a handover step the rerun did not take: waited for, not compared
+        hand.result()
     if _two_ranks_from(run) == _two_ranks_from(expanded[1]):
         _assert_same_weights(_weights(expanded[1]), _weights(run))
+
+
+def _needs_by_hand(phase: str, two_ranks_from: int, expanded_run: Path) -> bool:
+    """Whether the kill test compares the rerun with a run by hand on the same ranks: after the handover
+    checkpoint, or where the rerun went to two ranks at another step than the uninterrupted run."""
+    return phase == "relaunch" or two_ranks_from != _two_ranks_from(expanded_run)
+
+
+def _by_hand(phase: str, store: Path, by_hand: Path):
+    """The kill test's run by hand in the background (helpers_cli.start): two ranks from the start on the finished
+    store, the global batch kept (killed before the handover checkpoint), else a resume on two ranks from the
+    handover checkpoint copied to `by_hand`."""
+    sets = [*SETS, f"train.run_dir={by_hand}", *(["train.accumulate_grad_batches=1"] if phase == "checkpoint" else [])]
+    cmd = [sys.executable, "-m", "stages.cli", "train", "--store", str(store), "--devices", "2", "--no-export",
+           *(["--follow"] if phase == "checkpoint" else ["--resume"]), *[w for s in sets for w in ("--set", s)]]
+    return start(cmd, ENV)
 
 
 def test_the_handover_figures_come_from_the_protocol_files(tmp_path, monkeypatch):
@@ -212,13 +230,37 @@ def test_the_handover_figures_come_from_the_protocol_files(tmp_path, monkeypatch
     assert cb.expanding and cb.first_step is None and cb.logs == tmp_path / "logs"
 
 
+HANDOVER_TEST = "test_handover_bench_part_prints_the_three_figures_at_its_tiny_size"
+
+
+def _start_handover_part(out: Path):
+    """`python -m bench.parts run --tiny handover` in the background, OUT=out (helpers_cli.start)."""
+    return start([sys.executable, "-m", "bench.parts", "run", "--tiny", "handover"],
+                 {**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def handover_part(request, tmp_path_factory):
+    """(OUT, the handover part's tiny run) started at this module's first test when the session runs the part's
+    test, so it goes beside the expanded run and the kill tests (none of them reads what it writes); else None,
+    and the test starts its own."""
+    if not selected(request, HANDOVER_TEST):
+        yield None
+        return
+    out = tmp_path_factory.mktemp("handover-part")
+    run = _start_handover_part(out)
+    yield out, run
+    run.proc.kill()  # (its test did not run: not left running)
+    run.result()
+
+
 @pytest.mark.slow
-def test_handover_bench_part_prints_the_three_figures_at_its_tiny_size(tmp_path):
+def test_handover_bench_part_prints_the_three_figures_at_its_tiny_size(handover_part, tmp_path):
     """bench/parts.py's `handover` (the GPU figures of issue 41) at its CPU smoke size."""
-    r = subprocess.run([sys.executable, "-m", "bench.parts", "run", "--tiny", "handover"], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}, timeout=HANG_S)
+    out, run = handover_part or (tmp_path, _start_handover_part(tmp_path))
+    r = run.result()
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    rec = json.loads((tmp_path / "handover.json").read_text())
+    rec = json.loads((out / "handover.json").read_text())
     assert rec["device"] == "cpu" and rec["step"] >= 1
     for k in ("checkpoint_s", "stop_s", "relaunch_to_first_step_s"):
         assert rec[k] is not None and rec[k] >= 0, (k, rec)
