@@ -19,7 +19,7 @@ import torch
 from pipeline.target import (FeatureCapture, capture_features, frozen_head_from_checkpoint, frozen_head_tensors,
                              load_target, target_fingerprint)
 
-from helpers_cli import HANG_S, dflash  # noqa: E402
+from helpers_cli import HANG_S, dflash, side_by_side  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -234,19 +234,6 @@ def test_kernel_preflight_lines(monkeypatch):
     assert "causal conv1d on flash-linear-attention's Triton kernel" in kn.kernel_report(types, "cuda", True)
 
 
-def _side_by_side(runs, tmp_path: Path) -> list[subprocess.CompletedProcess]:
-    """Independent processes ((argv, env) each, run in ROOT) at once, their start-ups overlapping on the 2 cores;
-    each waited for as subprocess.run(..., capture_output=True, text=True, timeout=HANG_S) does (a hang guard)."""
-    procs = []
-    for i, (argv, env) in enumerate(runs):
-        with open(tmp_path / f"side-{i}.out", "w") as out, open(tmp_path / f"side-{i}.err", "w") as err:
-            procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, text=True))
-    codes = [p.wait(timeout=HANG_S) for p in procs]
-    return [subprocess.CompletedProcess(argv, rc, (tmp_path / f"side-{i}.out").read_text(),
-                                        (tmp_path / f"side-{i}.err").read_text())
-            for i, ((argv, _), rc) in enumerate(zip(runs, codes))]
-
-
 @pytest.mark.slow
 def test_kernels_transformers_binds_are_the_ones_reported(tmp_path):
     """With an importable `fla` (a stand-in package here), transformers binds its kernels and both the preflight
@@ -260,9 +247,9 @@ def test_kernels_transformers_binds_are_the_ones_reported(tmp_path):
     code = ("import json; from pipeline.kernels import available, resolved_kernels; "
             "print(json.dumps([available(), resolved_kernels()]))")
     cases = ((None, "transformers.models.qwen3_5"), (str(tmp_path / "site"), "fla.ops.gated_delta_rule"))
-    outs = _side_by_side([([sys.executable, "-c", code],  # the two processes side by side
+    outs = side_by_side(*[([sys.executable, "-c", code],  # the two processes side by side
                            {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, str(ROOT)]))})
-                          for site, _ in cases], tmp_path)
+                          for site, _ in cases])
     for (site, expect), out in zip(cases, outs):
         have, bound = json.loads(out.stdout.strip().splitlines()[-1])
         assert (have["fla"] is not None) == (site is not None)
@@ -416,11 +403,11 @@ def test_benchmarks_run_on_cpu_at_a_tiny_size(tmp_path):
     """bench/extract_bench.py --arch qwen3_5 and bench/load_bench.py, as the GPU parts call them, at a tiny size."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # the two scripts side by side (independent: their own outputs and directories)
-    r, r_load = _side_by_side(
-        [([sys.executable, "bench/extract_bench.py", "--tiny", "--device", "cpu", "--tokens", "400", "--encodings",
-           "int5", "--out", str(tmp_path / "x.json")], env),
-         ([sys.executable, "bench/load_bench.py", "--tiny", "--device", "cpu", "--layers", "4", "--dir",
-           str(tmp_path / "ckpt"), "--out", str(tmp_path / "l.json")], env)], tmp_path)
+    r, r_load = side_by_side(
+        ([sys.executable, "bench/extract_bench.py", "--tiny", "--device", "cpu", "--tokens", "400", "--encodings",
+          "int5", "--out", str(tmp_path / "x.json")], env),
+        ([sys.executable, "bench/load_bench.py", "--tiny", "--device", "cpu", "--layers", "4", "--dir",
+          str(tmp_path / "ckpt"), "--out", str(tmp_path / "l.json")], env))
     assert r.returncode == 0, r.stderr[-3000:]
     x = json.loads((tmp_path / "x.json").read_text())
     assert x["arch"] == "qwen3_5" and x["layers_built"] == 6 and x["layer_ids"] == [1, 2, 3, 4, 5]
