@@ -123,6 +123,19 @@ def selected(request, *names: str) -> list:
     return [i for i in request.session.items if i.path == request.path and getattr(i, "originalname", None) in names]
 
 
+class Lazy(dict):
+    """A dict that makes a missing key's value with `make(key)`: a module fixture's futures of its tests' runs,
+    the selected ones made ahead (`selected`), any other when its test asks (a case not started with the others)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
 def must_pass(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Fail the test with the command's output unless it exited 0."""
     if r.returncode != 0:

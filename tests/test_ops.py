@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import zarr
 
 from pipeline import store as st
 
-from helpers_cli import FEW_ANCHORS, HANG_S  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S, Lazy, selected  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -248,12 +249,39 @@ def test_an_error_after_a_stop_request_is_the_stop(monkeypatch):
         signal.signal(signal.SIGINT, old)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("presses", [1, 2])
-def test_training_ctrl_c_to_the_group_stops_cleanly(tiny_store, tmp_path, presses):
-    """Ctrl-C from a terminal (SIGINT to the launcher, its ranks and their loader workers): once -> graceful stop
-    with the resume hint; twice -> immediate exit. Either way 130 and nothing left running."""
-    store = tiny_store  # the session's store (tests/conftest.py): training only reads it
+# the parametrized tests whose cases run side by side (ops_runs): test name -> its cases' kind
+SIDE_BY_SIDE = {"test_training_ctrl_c_to_the_group_stops_cleanly": "training-ctrl-c",
+                "test_extract_ctrl_c_to_the_group": "extract-ctrl-c"}
+
+
+@pytest.fixture(scope="module")
+def ops_runs(request, tmp_path_factory):
+    """(kind, presses) -> a future of that case's processes (_ctrl_c_training / _ctrl_c_extraction). The selected
+    cases of both Ctrl-C tests start at the first one's setup, two at a time, each in its own thread: a case is
+    mostly its processes' start-up (imports, one core at a time) and waits, which leaves a core to the other.
+    Each test takes its own result (an assertion that failed in its thread is raised there)."""
+    pool, cases = ThreadPoolExecutor(max_workers=2), selected(request, *SIDE_BY_SIDE)
+    # the session's store (tests/conftest.py; training only reads it), when a training case runs
+    training = any(SIDE_BY_SIDE[i.originalname] == "training-ctrl-c" for i in cases)
+    store = request.getfixturevalue("tiny_store") if training else None
+
+    def make(key):
+        kind, presses = key
+        tmp = tmp_path_factory.mktemp(f"{kind}-{presses}")
+        if kind == "training-ctrl-c":
+            return pool.submit(_ctrl_c_training, tmp, store or request.getfixturevalue("tiny_store"), presses)
+        return pool.submit(_ctrl_c_extraction, tmp, presses)
+    runs = Lazy(make)
+    for item in cases:
+        runs[(SIDE_BY_SIDE[item.originalname], item.callspec.params["presses"])]
+    yield runs
+    pool.shutdown(wait=True)
+
+
+def _ctrl_c_training(tmp_path: Path, store: str, presses: int) -> tuple:
+    """The next test's processes: a 2-rank training (its own session, SIGINT at its default) given Ctrl-C
+    `presses` times, once its first checkpoint is in (one press) or once it steps (two); -> (exit code, stderr,
+    the run's processes still alive once none is left or the hang guard ends)."""
     run = tmp_path / "run"
     p = _start_training(store, run, "--set", "train.checkpoint_every=20", stderr=subprocess.PIPE, text=True,
                         start_new_session=True, preexec_fn=_as_foreground_job)
@@ -261,19 +289,25 @@ def test_training_ctrl_c_to_the_group_stops_cleanly(tiny_store, tmp_path, presse
     # to resume, tests/test_follow_stop.py); CI's Ctrl-C once landed at step 10, before the first checkpoint
     _wait_until((run / "checkpoints" / "last.ckpt").exists if presses == 1 else (run / "progress.json").exists)
     rc, err = _press_ctrl_c(p, presses, gap=0.3, timeout=HANG_S)
-    print(err)  # whole, in the failure report (an assertion message is cut in the middle)
-    assert rc == 130, f"exit {rc}"
-    if presses == 1:
-        assert "resume with" in err and "--resume" in err
-    left = _run_processes(run, timeout=HANG_S)  # returns once none is left: a hang guard, not a speed bound
-    assert not left, f"processes left behind: {left}"
+    return rc, err, _run_processes(run, timeout=HANG_S)  # returns once none is left: a hang guard, not a speed bound
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("presses", [1, 2])
-def test_extract_ctrl_c_to_the_group(tmp_path, presses):
-    """Ctrl-C from a terminal reaches the parent and its workers: once -> workers stop after their commit; twice
-    -> the parent kills them. Either way 130, no worker left, and the rerun completes a valid store."""
+def test_training_ctrl_c_to_the_group_stops_cleanly(tiny_store, ops_runs, presses):
+    """Ctrl-C from a terminal (SIGINT to the launcher, its ranks and their loader workers): once -> graceful stop
+    with the resume hint; twice -> immediate exit. Either way 130 and nothing left running. (Both cases run side
+    by side: ops_runs.)"""
+    rc, err, left = ops_runs[("training-ctrl-c", presses)].result()
+    print(err)  # whole, in the failure report (an assertion message is cut in the middle)
+    assert rc == 130, f"exit {rc}"
+    if presses == 1:
+        assert "resume with" in err and "--resume" in err
+    assert not left, f"processes left behind: {left}"
+
+
+def _ctrl_c_extraction(tmp_path: Path, presses: int) -> None:
+    """The next test, whole: its assertions are raised where it takes the result."""
     store = str(tmp_path / "s.zarr")
     p = _start(store, start_new_session=True, preexec_fn=_as_foreground_job)
     _wait_commits(store)
@@ -282,6 +316,15 @@ def test_extract_ctrl_c_to_the_group(tmp_path, presses):
     assert "resume with the same command" in err
     assert _gone(store, HANG_S)  # (a hang guard: each worker commits its batch first, slow on a busy machine)
     _finish_and_verify(store)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("presses", [1, 2])
+def test_extract_ctrl_c_to_the_group(ops_runs, presses):
+    """Ctrl-C from a terminal reaches the parent and its workers: once -> workers stop after their commit; twice
+    -> the parent kills them. Either way 130, no worker left, and the rerun completes a valid store. (Both cases
+    run side by side: ops_runs; _ctrl_c_extraction holds the test's steps and assertions.)"""
+    ops_runs[("extract-ctrl-c", presses)].result()
 
 
 def _running(pid) -> bool:
