@@ -113,7 +113,7 @@ import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from helpers_cli import FEW_ANCHORS, HANG_S, selected  # noqa: E402
+from helpers_cli import FEW_ANCHORS, HANG_S, Lazy, selected  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -223,23 +223,11 @@ def follow_runs(request, tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"follow-{key}")
         return pool.submit(*((_train_on_an_unfinished_store, tmp) if key == "unfinished" else
                              (_follow_a_slow_extraction, tmp, key)))
-    runs = _Lazy(make)
+    runs = Lazy(make)
     for item in selected(request, FOLLOW_TEST, UNFINISHED_TEST):
         runs[item.callspec.params["packing"] if item.originalname == FOLLOW_TEST else "unfinished"]
     yield runs
     pool.shutdown(wait=True)
-
-
-class _Lazy(dict):
-    """A dict that makes a missing key's value with `make(key)` (a case not started with the others)."""
-
-    def __init__(self, make):
-        super().__init__()
-        self.make = make
-
-    def __missing__(self, key):
-        self[key] = self.make(key)
-        return self[key]
 
 
 @pytest.mark.slow
