@@ -103,8 +103,8 @@ def _finish_and_verify(store):
     assert len(reader.samples) == 150 and len({s.sample_id for s in reader.samples}) == 150
 
 
-@pytest.mark.slow
-def test_sigterm_stops_everything_and_rerun_resumes(tmp_path):
+def _sigterm_extraction(tmp_path: Path) -> None:
+    """The next test, whole: its assertions are raised where it takes the result."""
     store = str(tmp_path / "s.zarr")
     p = _start(store)
     _wait_commits(store)
@@ -121,7 +121,15 @@ def test_sigterm_stops_everything_and_rerun_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_parent_kill9_leaves_no_orphans(tmp_path):
+def test_sigterm_stops_everything_and_rerun_resumes(ops_runs):
+    """SIGTERM to `dflash extract`: 130, the resume hint, no worker left, `status` says stopped, and the rerun
+    completes a valid store. (Run ahead beside the other signal tests: ops_runs; _sigterm_extraction holds its
+    steps and assertions.)"""
+    ops_runs[("test_sigterm_stops_everything_and_rerun_resumes", None)].result()
+
+
+def _kill9_extraction(tmp_path: Path) -> None:
+    """The next test, whole: its assertions are raised where it takes the result."""
     store = str(tmp_path / "s.zarr")
     p = _start(store)
     _wait_commits(store)
@@ -133,6 +141,13 @@ def test_parent_kill9_leaves_no_orphans(tmp_path):
                        capture_output=True, text=True)
     assert "process gone" in s.stdout or "stopped" in s.stdout
     _finish_and_verify(store)
+
+
+@pytest.mark.slow
+def test_parent_kill9_leaves_no_orphans(ops_runs):
+    """kill -9 of `dflash extract`: its workers exit instead of running on, `status` says so, and the rerun
+    completes a valid store. (Run ahead: ops_runs; _kill9_extraction holds its steps and assertions.)"""
+    ops_runs[("test_parent_kill9_leaves_no_orphans", None)].result()
 
 
 @pytest.mark.slow
@@ -249,31 +264,28 @@ def test_an_error_after_a_stop_request_is_the_stop(monkeypatch):
         signal.signal(signal.SIGINT, old)
 
 
-# the parametrized tests whose cases run side by side (ops_runs): test name -> its cases' kind
-SIDE_BY_SIDE = {"test_training_ctrl_c_to_the_group_stops_cleanly": "training-ctrl-c",
-                "test_extract_ctrl_c_to_the_group": "extract-ctrl-c"}
-
-
 @pytest.fixture(scope="module")
 def ops_runs(request, tmp_path_factory):
-    """(kind, presses) -> a future of that case's processes (_ctrl_c_training / _ctrl_c_extraction). The selected
-    cases of both Ctrl-C tests start at the first one's setup, two at a time, each in its own thread: a case is
-    mostly its processes' start-up (imports, one core at a time) and waits, which leaves a core to the other.
-    Each test takes its own result (an assertion that failed in its thread is raised there)."""
-    pool, cases = ThreadPoolExecutor(max_workers=2), selected(request, *SIDE_BY_SIDE)
-    # the session's store (tests/conftest.py; training only reads it), when a training case runs
-    training = any(SIDE_BY_SIDE[i.originalname] == "training-ctrl-c" for i in cases)
-    store = request.getfixturevalue("tiny_store") if training else None
+    """(test name, its parameter or None) -> a future of that test's processes (AHEAD: the function, called with
+    its own directory, the session's store when it trains, and its parameter). The selected tests of AHEAD start
+    at the first one's setup, two at a time, each in its own thread: a case is mostly its processes' start-up
+    (imports, one core at a time) and waits, which leaves a core to the other. Each test takes its own result
+    (an assertion that failed in its thread is raised there)."""
+    pool, items = ThreadPoolExecutor(max_workers=2), selected(request, *AHEAD)
+    # the session's store (tests/conftest.py; training only reads it), when a selected test trains
+    store = request.getfixturevalue("tiny_store") if any(AHEAD[i.originalname][1] for i in items) else None
 
     def make(key):
-        kind, presses = key
-        tmp = tmp_path_factory.mktemp(f"{kind}-{presses}")
-        if kind == "training-ctrl-c":
-            return pool.submit(_ctrl_c_training, tmp, store or request.getfixturevalue("tiny_store"), presses)
-        return pool.submit(_ctrl_c_extraction, tmp, presses)
+        name, param = key
+        fn, trains = AHEAD[name]
+        tmp = tmp_path_factory.mktemp(f"{fn.__name__}-{param}")
+        args = [*([store or request.getfixturevalue("tiny_store")] if trains else []),
+                *([] if param is None else [param])]
+        return pool.submit(fn, tmp, *args)
     runs = Lazy(make)
-    for item in cases:
-        runs[(SIDE_BY_SIDE[item.originalname], item.callspec.params["presses"])]
+    for item in items:
+        params = list(item.callspec.params.values()) if hasattr(item, "callspec") else [None]
+        runs[(item.originalname, params[0])]
     yield runs
     pool.shutdown(wait=True)
 
@@ -296,9 +308,9 @@ def _ctrl_c_training(tmp_path: Path, store: str, presses: int) -> tuple:
 @pytest.mark.parametrize("presses", [1, 2])
 def test_training_ctrl_c_to_the_group_stops_cleanly(tiny_store, ops_runs, presses):
     """Ctrl-C from a terminal (SIGINT to the launcher, its ranks and their loader workers): once -> graceful stop
-    with the resume hint; twice -> immediate exit. Either way 130 and nothing left running. (Both cases run side
-    by side: ops_runs.)"""
-    rc, err, left = ops_runs[("training-ctrl-c", presses)].result()
+    with the resume hint; twice -> immediate exit. Either way 130 and nothing left running. (Run ahead:
+    ops_runs.)"""
+    rc, err, left = ops_runs[("test_training_ctrl_c_to_the_group_stops_cleanly", presses)].result()
     print(err)  # whole, in the failure report (an assertion message is cut in the middle)
     assert rc == 130, f"exit {rc}"
     if presses == 1:
@@ -322,9 +334,9 @@ def _ctrl_c_extraction(tmp_path: Path, presses: int) -> None:
 @pytest.mark.parametrize("presses", [1, 2])
 def test_extract_ctrl_c_to_the_group(ops_runs, presses):
     """Ctrl-C from a terminal reaches the parent and its workers: once -> workers stop after their commit; twice
-    -> the parent kills them. Either way 130, no worker left, and the rerun completes a valid store. (Both cases
-    run side by side: ops_runs; _ctrl_c_extraction holds the test's steps and assertions.)"""
-    ops_runs[("extract-ctrl-c", presses)].result()
+    -> the parent kills them. Either way 130, no worker left, and the rerun completes a valid store. (Run ahead:
+    ops_runs; _ctrl_c_extraction holds the test's steps and assertions.)"""
+    ops_runs[("test_extract_ctrl_c_to_the_group", presses)].result()
 
 
 def _running(pid) -> bool:
@@ -395,3 +407,11 @@ def test_training_kill9_leaves_no_loader_workers(tiny_store, tmp_path, devices):
         os.kill(k, signal.SIGKILL)
     assert not left, f"processes kept running after the training process was killed: {left}: " + "; ".join(
         f"{k} {_proc_status(k)} {cmdline(k)[:100]}" for k in left)
+
+
+# the tests whose processes run ahead, two at a time (ops_runs): test name -> (the function of its processes,
+# whether it trains on the session's store); a parametrized test's cases each their own
+AHEAD = {"test_sigterm_stops_everything_and_rerun_resumes": (_sigterm_extraction, False),
+         "test_parent_kill9_leaves_no_orphans": (_kill9_extraction, False),
+         "test_training_ctrl_c_to_the_group_stops_cleanly": (_ctrl_c_training, True),
+         "test_extract_ctrl_c_to_the_group": (_ctrl_c_extraction, False)}
