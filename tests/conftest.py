@@ -1,8 +1,7 @@
 """Shared pytest setup: GPU tests run only where CUDA exists; everything else runs on 2 CPU cores. Session
 fixtures built once for the whole run: the tiny store (`tiny_store`, copied by tests that change it through
 `tiny_store_copy`), the small one-shard store (`small_store`), the tiny hybrid target (`hybrid`) and the quality
-run (`quality_run`: a store of 800 samples and the drafter trained on it, built in the background from the
-session's start when a test needs it). The CLI runner is tests/helpers_cli.py."""
+run (`quality_run`: a store of 800 samples and the drafter trained on it). The CLI runner is tests/helpers_cli.py."""
 
 import os
 
@@ -64,54 +63,23 @@ def small_store(tmp_path_factory) -> str:
     return store
 
 
-def _build_quality_run(d, nice: int = 0, started: list | None = None) -> tuple:
-    """quality_run's (store, run) built in `d` by the CLI: extract, then train; under `nice -n NICE` when given,
-    each process appended to `started` as it starts (helpers_cli.Started)."""
-    import sys
+@pytest.fixture(scope="session")
+def quality_run(tmp_path_factory):
+    """(store, run): 800 tiny-chat samples extracted into one shard and the drafter trained on them for 3 epochs
+    (batch 4), built once per session for test_eval's quality test, test_sampling_eval (eval at temperature 0.7)
+    and test_best_ckpt (its --init-from donor); each trained a drafter of its own before. Shared: read it, never
+    change it (training and eval only read a store; eval writes its report to --out and replaces the export's
+    dflash_tau.json record, which none of its readers looks at)."""
+    from helpers_cli import TINY, dflash
 
-    from helpers_cli import TINY, must_pass, start
-
+    d = tmp_path_factory.mktemp("quality")
     store, run = str(d / "store.zarr"), d / "run"
-    cli = [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m", "stages.cli"]
+    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=800")
     train = ["train.batch_size=4", "train.epochs=3", "train.num_workers=0", "train.val_every=1000",
              "train.checkpoint_every=1000"]
-    for args in (["extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=800"],
-                 ["train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}",
-                  *[x for item in train for x in ("--set", item)]]):
-        (started if started is not None else []).append(p := start([*cli, *args]))
-        must_pass(p.result())
+    dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}",
+           *[x for item in train for x in ("--set", item)])
     return store, run
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _quality_run_ahead(request, tmp_path_factory):
-    """When the session runs a test that needs quality_run (all of them slow, none in the fast subset), it is built
-    from the session's first test on, in a thread, its processes at nice 10: they take what the serial suite
-    leaves idle of the 2 cores (a subprocess importing, a test polling) and little of what it uses, and the first
-    test that needs it waits for what is left. None under pytest-xdist or when no test needs it."""
-    if hasattr(request.config, "workerinput") or not any("quality_run" in getattr(i, "fixturenames", ())
-                                                         for i in request.session.items):
-        yield None
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    started: list = []
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        yield pool.submit(_build_quality_run, tmp_path_factory.mktemp("quality"), 10, started)
-        for p in started:  # a session that ended first (stopped, or its users failed earlier): not left running
-            p.proc.kill()
-
-
-@pytest.fixture(scope="session")
-def quality_run(_quality_run_ahead, tmp_path_factory):
-    """(store, run): 800 tiny-chat samples extracted into one shard and the drafter trained on them for 3 epochs
-    (batch 4), built once per session (ahead: _quality_run_ahead) for test_eval's quality test, test_sampling_eval
-    (eval at temperature 0.7) and test_best_ckpt (its --init-from donor); each trained a drafter of its own
-    before. Shared: read it, never change it (training and eval only read a store; eval writes its report to
-    --out and replaces the export's dflash_tau.json record, which none of its readers looks at)."""
-    if _quality_run_ahead is not None:
-        return _quality_run_ahead.result()
-    return _build_quality_run(tmp_path_factory.mktemp("quality"))
 
 
 @pytest.fixture
