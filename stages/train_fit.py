@@ -221,14 +221,18 @@ def say_end(end) -> None:
     """The end line (`train: end T s: final checkpoint s, Lightning teardown s, loaders s, checkpoint wait s,
     export s, summary s`, from the last step), then what keeps the process alive after it (issue 46): one line when
     the interpreter's exit handlers begin (`train: exit handlers begin S s after the end line`: the wait for
-    threads that are not daemons comes before them). With DFLASH_EXIT_STACKS=S the stacks are sampled from the
-    final checkpoint on (stages/progress.sample_stacks)."""
+    threads that are not daemons comes before them) where DFLASH_EXIT_STACKS is set, as benches set it; with it
+    the stacks are also sampled every S seconds from the final checkpoint on (stages/progress.sample_stacks)."""
     if end is None:  # no completed fit here (resumed at its last step): nothing measured
         return
     import atexit
     import time
 
     print(end.line(phase="end"), file=sys.stderr, flush=True)
+    import os
+
+    if not os.environ.get("DFLASH_EXIT_STACKS"):  # a bench's diagnostic only (the user's last line stays the run's)
+        return
     said = time.time()
     # registered last, so it runs first of the exit handlers
     atexit.register(lambda: print(f"train: exit handlers begin {time.time() - said:.1f} s after the end line",

@@ -231,6 +231,15 @@ def test_part_runs_at_its_tiny_size_on_the_cpu(name, part_runs, request, tmp_pat
                 assert Path(o).is_file(), f"{n}: {o} not written\n{stdout[-3000:]}"
             for _src, dst in s.copy:  # a study's rows reached OUT
                 assert Path(dst).exists(), f"{n}: {dst} not copied\n{stdout[-3000:]}"
+    if name == "e2e":  # issue 46's start and end as train prints them for the bench (DFLASH_EXIT_STACKS)
+        import json
+
+        for r in (v for v in json.loads((run.out / "train_e2e.json").read_text()).values() if isinstance(v, dict)
+                  and "rc" in v):
+            assert set(r["head_thread_s"]) == {"began", "checksum", "load"}, r["head_thread_s"]
+            assert list(r["end_phases_s"]) == ["final checkpoint", "Lightning teardown", "loaders", "checkpoint wait",
+                                               "summary"], r["end_phases_s"]
+            assert r["exit_handlers_begin_s"] is not None and r["exit_after_final_checkpoint_s"] is not None
 
 
 def test_an_alone_parts_marker_is_the_line_that_starts_its_next_phase():

@@ -187,7 +187,7 @@ def test_train_prints_only_its_own_lines(tiny_store, tmp_path):
                      r.stderr, re.M), r.stderr
     assert re.search(r"^train: end [0-9.]+ s: final checkpoint [0-9.]+, Lightning teardown [0-9.]+, loaders [0-9.]+, "
                      r"checkpoint wait [0-9.]+, export [0-9.]+, summary [0-9.]+$", r.stderr, re.M), r.stderr
-    assert re.search(r"^train: exit handlers begin [0-9.]+ s after the end line$", r.stderr, re.M), r.stderr
+    assert "exit handlers" not in r.stderr  # a bench's line (DFLASH_EXIT_STACKS), not the user's
     assert r.stdout.strip() == ""  # Lightning's model summary table is gone too
     # checkpoints are written behind training, each saying how long training waited for it
     assert re.search(r"train: checkpoint step4\.ckpt written: training waited [0-9.]+ s", r.stderr), r.stderr
