@@ -231,7 +231,9 @@ def startup(c: Ctx) -> list:
 @part("ckptwrite")
 def ckptwrite(c: Ctx) -> list:
     """Issue 46 item 3 (host only, ~2 min at 8 GiB): a checkpoint write's rate on this disk and the GIL share it
-    leaves the main thread, as shipped, through torch's path writer, without CRC32, and as raw bytes (the ceiling)."""
+    leaves the main thread, as shipped, through torch's path writer, without CRC32, and as raw bytes (the ceiling);
+    then raw bytes from a child process, with O_DIRECT, and from a thread kept off the main thread's core: which of
+    the GIL, the page-cache copy or a shared core costs the main loop while a write runs."""
     return [_bench(c, "ckpt_write_bench.py", ["--gib", c.var("CW_GIB", "8", "0.05"), "--dir", str(c.tmp / "ckpt-write"),
                    "--out", str(c.out / "ckpt_write.json")], [], "ckpt_write.log")]
 
