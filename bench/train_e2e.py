@@ -52,6 +52,7 @@ from bench.store_bench import provenance  # noqa: E402
 from pipeline import store as st  # noqa: E402
 from pipeline.provenance import create_or_open_store  # noqa: E402
 from pipeline.encoding import encode  # noqa: E402
+from stages.train_startup import read_phase_text  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LRS = ("6e-4", "3e-4")  # consecutive runs differ in lr, as a user's next run would
@@ -205,11 +206,9 @@ def step_bubbles(lines: list, skip: int = 3, slow: float = 1.2) -> dict:
 
 
 def phase_line(lines: list, name: str) -> dict | None:
-    """{part: seconds} of the first `train: NAME( on rank R)? T s: part s, ...` line (stages/train_startup.py's
-    format: start-up, fit set-up, frozen-head thread, end), else None."""
-    pat = re.compile(rf"train: {re.escape(name)}(?: on rank \d+)? [0-9.]+ s: (.*)")
-    return next(({p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(1).split(", ")}
-                 for _, x in lines if (m := pat.match(x))), None)
+    """{part: seconds} of the first `train: NAME( on rank R)? T s: part s, ...` line (start-up, fit set-up,
+    frozen-head thread, end: stages/train_startup.read_phase_text, the format's owner), else None."""
+    return next((d for _, x in lines if (d := read_phase_text(x, name)) is not None), None)
 
 
 def recompiles(lines: list) -> dict:

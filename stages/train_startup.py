@@ -21,6 +21,7 @@ what the frozen head's thread did and when (its checksum, the CUDA start, the lo
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -65,9 +66,22 @@ class StartupPhases:
         self.t += max(0.0, seconds)
 
     def line(self, where: str = "", phase: str = "start-up") -> str:
-        """`train: PHASE T s: name s, ...` (names without commas: benches parse the line)."""
-        total = sum(s for _, s in self.phases)
-        return f"train: {phase}{where} {total:.1f} s: " + ", ".join(f"{n} {s:.1f}" for n, s in self.phases)
+        """`train: PHASE T s: name s, ...` (phase_text's format)."""
+        return phase_text(phase, where, sum(s for _, s in self.phases), self.phases)
+
+
+def phase_text(phase: str, where: str, total: float, parts: list) -> str:
+    """`train: PHASE{where} T s: name s, ...`: the one format of the start-up, fit set-up, frozen-head thread and end
+    lines (names without commas, numbers to 0.1 s); `read_phase_text` reads it back (benches parse these lines)."""
+    return f"train: {phase}{where} {total:.1f} s: " + ", ".join(f"{n} {s:.1f}" for n, s in parts)
+
+
+def read_phase_text(line: str, phase: str) -> dict | None:
+    """{name: seconds} of a `phase_text` line for PHASE (any rank's), else None."""
+    m = re.match(rf"train: {re.escape(phase)}(?: on rank \d+)? [0-9.]+ s: (.*)", line)
+    if not m:
+        return None
+    return {p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) for p in m.group(1).split(", ")}
 
 
 def thread_line(timeline: list[tuple[str, float]], started: float, where: str = "") -> str | None:
@@ -77,8 +91,8 @@ def thread_line(timeline: list[tuple[str, float]], started: float, where: str = 
     if not timeline or timeline[0][0] != "began":
         return None
     steps = timeline[1:]
-    parts = [f"began {max(0.0, timeline[0][1] - started):.1f}"] + [f"{n} {s:.1f}" for n, s in steps]
-    return f"train: frozen-head thread{where} {sum(s for _, s in steps):.1f} s: " + ", ".join(parts)
+    return phase_text("frozen-head thread", where, sum(s for _, s in steps),
+                      [("began", max(0.0, timeline[0][1] - started))] + steps)
 
 
 # dynamo's timers (torch._dynamo.utils.compile_times) -> the names the line gives them; nested timers overlap

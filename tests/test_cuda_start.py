@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 
 from pipeline.cuda_start import start_cuda
-from stages.train_startup import thread_line
+from stages.train_startup import read_phase_text, thread_line
 
 
 class FakeDriver:
@@ -57,3 +57,7 @@ def test_the_frozen_head_threads_line_counts_from_the_process_start():
                                             "CUDA start 0.5, load 1.2")
     assert thread_line(timeline, 100.0, " on rank 1").startswith("train: frozen-head thread on rank 1 3.8 s: ")
     assert thread_line([], 100.0) is None
+    # the benches read it back with the format's owner (bench/train_e2e.phase_line)
+    assert read_phase_text(thread_line(timeline, 100.0, " on rank 1"), "frozen-head thread") == {
+        "began": 5.2, "checksum": 2.0, "CUDA start": 0.5, "load": 1.2}
+    assert read_phase_text(thread_line(timeline, 100.0), "start-up") is None
