@@ -77,25 +77,25 @@ def _pytest(c: Ctx, name: str, *args: str, show: int = 60, alone_after: bool = F
     GPU, whose preflight wants 16 GiB free: beside four workers on an 80 GB H100 it refused, 2026-12-06) run
     after the others, one at a time, in a second step (GPU_TEST_ALONE=0 leaves it to part gpualone)."""
     jobs = c.var("GPU_TEST_JOBS", "1", "1")
-    limit = float(c.var("GPU_TEST_LIMIT", "3600", "600"))
-    base = [PY, "-m", "pytest", "-v", "-m", "gpu", *args, "-p", "no:cacheprovider", "--tb=short"]
-    tail = ["--collect-only"] if c.tiny else []
-    hide = r"^\s*$|warnings summary|Warning"
     workers = ["-n", jobs, "--dist", "loadfile"] if jobs != "1" else []
     if not alone_after or (jobs == "1" and not c.tiny):  # (the smoke run collects both steps' selections)
-        return [Step(base + workers + tail, f"{name}.log", show=show, timeout=limit, hide=hide)]
-    many = base[:base.index("gpu")] + ["gpu and not gpu_alone"] + base[base.index("gpu") + 1:]
-    steps = [Step(many + workers + tail, f"{name}.log", show=show, timeout=limit, hide=hide)]
+        return [_pytest_step(c, name, "gpu", args, workers, show)]
+    steps = [_pytest_step(c, name, "gpu and not gpu_alone", args, workers, show)]
     if c.var("GPU_TEST_ALONE", "1", "1") != "0":
         steps += _alone(c, f"{name}_alone", *args, show=show)
     return steps
 
 
+def _pytest_step(c: Ctx, name: str, marks: str, args: tuple, workers: list, show: int) -> Step:
+    """One pytest run of the tests marked `marks` (at the tiny size, their collection only)."""
+    argv = [PY, "-m", "pytest", "-v", "-m", marks, *args, "-p", "no:cacheprovider", "--tb=short", *workers]
+    return Step(argv + (["--collect-only"] if c.tiny else []), f"{name}.log", show=show,
+                timeout=float(c.var("GPU_TEST_LIMIT", "3600", "600")), hide=r"^\s*$|warnings summary|Warning")
+
+
 def _alone(c: Ctx, name: str, *args: str, show: int = 60) -> list:
     """The gpu_alone tests, one at a time (see _pytest)."""
-    argv = [PY, "-m", "pytest", "-v", "-m", "gpu and gpu_alone", *args, "-p", "no:cacheprovider", "--tb=short"]
-    return [Step(argv + (["--collect-only"] if c.tiny else []), f"{name}.log", show=show,
-                 timeout=float(c.var("GPU_TEST_LIMIT", "3600", "600")), hide=r"^\s*$|warnings summary|Warning")]
+    return [_pytest_step(c, name, "gpu and gpu_alone", args, [], show)]
 
 
 def _bench(c: Ctx, script: str, args: list, tiny: list, log: str, **kw) -> Step:
