@@ -5,14 +5,15 @@
       dflash2: {conv_kernel_size: 2, conv_group_size: 16, selector_rank: 256, selector_top_k: 16}
 
 Contract:
-- `DFlash2Config` holds the keys with the published 27B drafter's defaults; pipeline/config.py nests it under
-  `DrafterConfig.dflash2`, validates its types like any section, its ranges through pipeline/config_ranges.py
-  (section "drafter.dflash2"), and calls `check` when `drafter.arch` is dflash2 (the keys that relate to the
-  drafter's other keys). A DrafterConfig field whose type is an arch's config class is how config.py knows the
-  archs: the section's name is the arch's name (tests/test_archs.py holds them equal to pipeline/archs.py).
-- `FLAT_KEYS`: the keys as they were written before (flat in `drafter:`); pipeline/config.py still reads them,
-  with a one-line deprecation, until the next release.
-- Imports nothing of the project but the error type (config.py imports it).
+- `DFlash2Config` holds the keys with the published 27B drafter's defaults; pipeline/config_sections.py nests it
+  under `DrafterConfig.dflash2`; pipeline/config_parse.py validates its types like any section, its ranges through
+  pipeline/config_ranges.py (section "drafter.dflash2"), and calls `check` when `drafter.arch` is dflash2 (the
+  keys that relate to the drafter's other keys). A DrafterConfig field whose type is an arch's config class is how
+  the config knows the archs (`DRAFTER_ARCHS`): the section's name is the arch's name (tests/test_archs.py holds
+  them equal to pipeline/archs.py).
+- `FLAT_KEYS`: the keys as they were written before (flat in `drafter:`); pipeline/config_parse.py still reads
+  them, with a one-line deprecation, until the next release.
+- Imports nothing of the project but the error type (config_sections.py and config_parse.py import it).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The allowed range of every numeric config key: one table, checked when the config loads, before anything is made.
 
 Contract:
-- `RANGES` maps (section, key) to a `Range` for every int and float field of pipeline/config.py's sections (a
+- `RANGES` maps (section, key) to a `Range` for every int and float field of pipeline/config_sections.py's sections (a
   list field is checked per entry; an arch's section inside drafter is section "drafter.dflash2");
   tests/test_config_ranges.py holds that every numeric field is in it, so a
   new numeric key comes with its range.
-- `check_ranges(cfg)` (called by `config._validate` before its checks that relate keys to each other) raises
+- `check_ranges(cfg)` (called by `config_parse._validate` before its checks that relate keys to each other) raises
   `ConfigError` for the first value outside its range, as one line naming the file, the key, the allowed range
   and the value: `FILE: train.warmup_ratio must be in [0, 1], got 7.0`. Floats must be finite: NaN and inf are
   outside every range. None passes where the field's type allows it (the range text says what null means).
@@ -24,7 +24,7 @@ MAX_BLOCK = 128  # drafter.block_size: the paper's blocks are 8-16; each block s
 # train.pack_tokens: one packed row is a single sequence through the drafter (its target features, attention and
 # logits): 131072 tokens of the 27B target's 5 bf16 feature layers are already ~6.7 GB; 10^6 ran out of memory
 MAX_PACK_TOKENS = 131072
-PACK_PER_MAX_LENGTH = 64  # and at most this many samples of data.max_length per row (config._validate)
+PACK_PER_MAX_LENGTH = 64  # and at most this many samples of data.max_length per row (config_parse._validate)
 
 
 @dataclass(frozen=True)

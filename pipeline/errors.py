@@ -13,7 +13,8 @@ class UserError(Exception):
 
 
 class ConfigError(UserError, ValueError):
-    """A configuration problem; the message names the key, the file and the fix (raised by pipeline/config.py)."""
+    """A configuration problem; the message names the key, the file and the fix (raised by pipeline/config.py and
+    its parser, pipeline/config_parse.py)."""
 
 
 class StoreError(UserError, RuntimeError):
