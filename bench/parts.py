@@ -83,7 +83,8 @@ def _pytest(c: Ctx, name: str, *args: str, show: int = 60, alone_after: bool = F
     steps = [_pytest_step(c, name, "gpu and not gpu_alone", args, workers, show)]
     if c.var("GPU_TEST_ALONE", "1", "1") != "0":
         steps += _alone(c, f"{name}_alone", *args, show=show)
-    return steps
+    # at the tiny size both steps only collect the suite: side by side (on the GPU the alone step follows)
+    return [steps] if c.tiny and len(steps) > 1 else steps
 
 
 def _pytest_step(c: Ctx, name: str, marks: str, args: tuple, workers: list, show: int) -> Step:

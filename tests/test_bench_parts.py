@@ -296,6 +296,8 @@ def test_gpu_test_parts_name_each_test_and_take_workers_and_a_limit(tmp_path, mo
     assert step.timeout == 560 and step.argv[m + 1:m + 3] == ["gpu and not gpu_alone", "tests/"]
     assert alone.argv[m + 1:m + 3] == ["gpu and gpu_alone", "tests/"] and "-n" not in alone.argv and alone.timeout == 560
     tiny = steps_of("gputests", tmp_path, True)  # its smoke run collects both selections (part gpualone: the second)
+    assert len(PARTS["gputests"](Ctx(tmp_path, True))) == 1  # side by side: only collections at the tiny size
+    assert len(PARTS["gputests"](Ctx(tmp_path, False))) == 2  # on the GPU one after the other
     assert [t.argv[m + 1] for t in tiny] == ["gpu and not gpu_alone", "gpu and gpu_alone"]
     assert all("-n" not in t.argv and "--collect-only" in t.argv for t in tiny)
     monkeypatch.setenv("GPU_TEST_ALONE", "0")
