@@ -96,18 +96,13 @@ def idle_priority(pid: int) -> bool:
 class _QualityBuild:
     """quality_run built in the background: one shell in a session of its own runs the two commands at the lowest
     CPU share (`idle_priority`; `nice -n 19` too), so it takes what the serial suite leaves idle of the 2 cores (a
-    test's one process, a test polling) and little of what the suite uses; its log is d/build.log. `start` is
-    called when it is due (`_quality_build_when_due`), `result` starts it if it was not and waits."""
+    test's one process, a test polling) and next to nothing of what the suite uses; its log is d/build.log."""
 
     def __init__(self, d):
-        self.store, self.run, self.log, self.p = str(d / "store.zarr"), d / "run", d / "build.log", None
-
-    def start(self) -> None:
         import shlex
         import subprocess
 
-        if self.p is not None:
-            return
+        self.store, self.run, self.log = str(d / "store.zarr"), d / "run", d / "build.log"
         script = " && ".join(shlex.join(c) for c in _quality_commands(self.store, self.run))
         with self.log.open("w") as f:
             self.p = subprocess.Popen(["nice", "-n", "19", "sh", "-c", script], stdout=f, stderr=subprocess.STDOUT,
@@ -116,7 +111,6 @@ class _QualityBuild:
         idle_priority(self.p.pid)
 
     def result(self) -> tuple:
-        self.start()
         code = self.p.wait(timeout=1800)
         assert code == 0, f"the quality run's build exited {code}\n{self.log.read_text()[-4000:]}"
         return self.store, self.run
@@ -124,7 +118,7 @@ class _QualityBuild:
     def kill(self) -> None:
         import signal
 
-        if self.p is not None and self.p.poll() is None:
+        if self.p.poll() is None:
             os.killpg(self.p.pid, signal.SIGKILL)
             self.p.wait()
 
@@ -135,31 +129,15 @@ def _needs_quality_run(item) -> bool:
 
 @pytest.fixture(scope="session", autouse=True)
 def _quality_run_ahead(request, tmp_path_factory):
-    """When the session runs a test that needs quality_run (all slow, none in the fast subset), its build
-    (_QualityBuild) starts in the background once the bench parts' tiny runs are over (they run two at a time and
-    keep both cores busy: the build beside them cost them 30 s in a CI run, more than it saved), and those tests
-    run last (pytest_collection_modifyitems): they find it built. None under pytest-xdist or when no test needs it."""
+    """When the session runs a test that needs quality_run (all slow, none in the fast subset), its build starts
+    with the session's first test, at the lowest CPU share (_QualityBuild), and those tests run last
+    (pytest_collection_modifyitems): they find it built. None under pytest-xdist or when no test needs it."""
     if hasattr(request.config, "workerinput") or not any(_needs_quality_run(i) for i in request.session.items):
         yield None
         return
     build = _QualityBuild(tmp_path_factory.mktemp("quality"))
     yield build
     build.kill()  # a session that ended first (stopped, or its users failed earlier): not left running
-
-
-def _build_due_at(items) -> int:
-    """The index of the first test after the last of tests/test_bench_parts.py (0 when the session has none)."""
-    return 1 + max((n for n, i in enumerate(items) if i.path.name == "test_bench_parts.py"), default=-1)
-
-
-@pytest.fixture(autouse=True)
-def _quality_build_when_due(request, _quality_run_ahead):
-    """Starts the quality run's build at the first test past the bench parts (`_build_due_at`)."""
-    if _quality_run_ahead is not None and _quality_run_ahead.p is None:
-        items = request.session.items
-        if request.node in items and items.index(request.node) >= _build_due_at(items):
-            _quality_run_ahead.start()
-    yield
 
 
 @pytest.fixture(scope="session")
