@@ -28,7 +28,6 @@ import json
 import mmap
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -125,8 +124,8 @@ def apart(cpu: int) -> set:
 
 
 def _raw_apart(obj: dict, path: Path) -> float:
-    """`raw` with this (writer) thread off the main thread's CPU and its siblings (the main pins itself first:
-    measure() calls `pin_main` for this way)."""
+    """`raw` with this (writer) thread off the main thread's CPU and its siblings (measure() pins the main thread to
+    MAIN_CPU first, for this way)."""
     os.sched_setaffinity(0, apart(MAIN_CPU[0]))  # Linux: 0 is the calling thread only
     return _raw(obj, path)
 
