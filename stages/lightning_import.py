@@ -9,7 +9,8 @@ scipy, torchvision, pandas. On the H200 host that was 6.8 s of the launch path's
 What it does: before the first Lightning import, the `torchmetrics` package is registered without running its
 `__init__` (the module object from its own import spec, carrying what `__init__` would define first: the
 version, `_logger`, `_PACKAGE_ROOT`, `_PROJECT_ROOT`), and only the two classes Lightning imports by name are
-loaded into it (`Metric`, `MetricCollection`, the real classes from torchmetrics' own modules). Any other
+loaded into it (`Metric`, `MetricCollection`, the real classes from torchmetrics' own modules), with matplotlib
+marked absent in torchmetrics' table of optional libraries (`Metric.plot` is unused here). Any other
 torchmetrics submodule still imports on demand (`import torchmetrics.aggregation` works), so nothing Lightning
 does lazily breaks; only `from torchmetrics import Accuracy`-style names of the top package are absent.
 
@@ -19,8 +20,8 @@ Contract:
   package missing, `DFLASH_FULL_TORCHMETRICS=1`, or any error on the light path (its partial modules are then
   removed from `sys.modules` first, so the normal import starts clean). Never raises for the light path's sake.
 - Tested (tests/test_lightning_import.py) against the installed Lightning and torchmetrics, in a fresh
-  interpreter: the light path is taken, transformers and torchmetrics' metric families are not imported, and a
-  Lightning fit with a `LightningModule` runs. pyproject.toml's ranges bound the versions it meets.
+  interpreter: the light path is taken, transformers, matplotlib and torchmetrics' metric families are not
+  imported, and a Lightning fit with a `LightningModule` runs. pyproject.toml's ranges bound the versions it meets.
 """
 
 from __future__ import annotations
@@ -48,9 +49,25 @@ def _register_bare_torchmetrics() -> None:
     mod._PACKAGE_ROOT = os.path.dirname(spec.origin)
     mod._PROJECT_ROOT = os.path.dirname(mod._PACKAGE_ROOT)
     sys.modules["torchmetrics"] = mod
-    importlib.import_module("torchmetrics.utilities")  # first: its __init__ imports metric.py (their circle)
+    flags = _imports_without_plots(mod._PACKAGE_ROOT)
+    utilities = importlib.import_module("torchmetrics.utilities")  # first: its __init__ imports metric.py (their circle)
+    utilities.imports = flags
     mod.Metric = importlib.import_module("torchmetrics.metric").Metric
     mod.MetricCollection = importlib.import_module("torchmetrics.collections").MetricCollection
+
+
+def _imports_without_plots(package_root: str):
+    """torchmetrics' table of installed optional libraries (`torchmetrics.utilities.imports`), loaded ahead and
+    registered with matplotlib (and its style and LaTeX add-ons) marked absent: `utilities/plot.py`, which
+    `metric.py` imports, otherwise imports matplotlib.pyplot whenever it is installed (0.5 s of a tiny training's
+    3.8 s start-up, with the `plots` extra). `Metric.plot` is the one thing that needs it; dflash never calls it."""
+    name = "torchmetrics.utilities.imports"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(package_root, "utilities", "imports.py"))
+    flags = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flags)
+    flags._MATPLOTLIB_AVAILABLE = flags._SCIENCEPLOT_AVAILABLE = flags._LATEX_AVAILABLE = False
+    sys.modules[name] = flags
+    return flags
 
 
 def _forget(prefix: str) -> None:

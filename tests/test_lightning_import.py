@@ -36,7 +36,7 @@ trainer = L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enabl
                     enable_model_summary=False, accelerator="cpu", devices=1)
 trainer.fit(M(), loader)
 loaded = sorted(m for m in ("transformers", "torchmetrics.functional", "torchmetrics.classification",
-                            "torchmetrics.text", "scipy") if m in sys.modules)
+                            "torchmetrics.text", "scipy", "matplotlib") if m in sys.modules)
 import torchmetrics.aggregation  # a lazily imported torchmetrics module still loads (Lightning's spike detection)
 import torchmetrics
 print(json.dumps({"how": how, "steps": trainer.global_step, "loaded": loaded,
@@ -55,7 +55,7 @@ def test_light_path_skips_the_backends_and_fits():
     r = _probe(DFLASH_FULL_TORCHMETRICS="0")
     assert r["how"] == "light"
     assert r["steps"] == 3
-    assert r["loaded"] == []  # no transformers, no metric family
+    assert r["loaded"] == []  # no transformers, no metric family, no matplotlib (installed here by the dev extra)
     assert r["metric_is_real"] == "torchmetrics.metric" and r["mean"] == "MeanMetric"
 
 
@@ -64,3 +64,4 @@ def test_opt_out_imports_torchmetrics_in_full():
     r = _probe(DFLASH_FULL_TORCHMETRICS="1")
     assert r["how"] == "full" and r["steps"] == 3
     assert "torchmetrics.functional" in r["loaded"]  # what the light path avoids, so the first test can fail
+    assert "matplotlib" in r["loaded"]  # torchmetrics' plot module imports it when installed (the dev extra)
