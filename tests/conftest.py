@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers_share import Machine, build_once, shared_root, under_xdist
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -25,7 +26,7 @@ def one_thread():
 def hybrid(tmp_path_factory):
     """A tiny replica of the real target's class (Qwen3_5ForConditionalGeneration: vision tower, 8 layers of
     3 x linear + 1 full attention twice, sharded checkpoint with mtp tensors; scripts/make_tiny_hybrid.py),
-    ~2 MB, built once per test session."""
+    ~2 MB, built once per test run."""
     import sys
     from pathlib import Path
 
@@ -34,52 +35,57 @@ def hybrid(tmp_path_factory):
         sys.path.insert(0, str(root))
     from scripts.make_tiny_hybrid import build_tiny_hybrid
 
-    return build_tiny_hybrid(tmp_path_factory.mktemp("hybrid") / "qwen3_5-tiny")
+    return build_once(tmp_path_factory, "hybrid", lambda d: build_tiny_hybrid(d / "qwen3_5-tiny")) / "qwen3_5-tiny"
 
 
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory) -> str:
-    """The tiny target's store, extracted once per session by the CLI (2 shards, 240 samples, bf16; the options
+    """The tiny target's store, extracted once per test run by the CLI (2 shards, 240 samples, bf16; the options
     are helpers_cli.TINY_STORE_OPTS). Shared: read it, never write it; a test that changes a store, or runs a
     command that may write into one, takes `tiny_store_copy`."""
     from helpers_cli import TINY, TINY_STORE_OPTS, dflash
 
-    store = str(tmp_path_factory.mktemp("tiny-store") / "store.zarr")
-    r = dflash("extract", "--config", TINY, "--shards", "2", "--store", store, *TINY_STORE_OPTS)
-    assert "finished shard(s) [0, 1]" in r.stderr and "complete" in r.stderr, r.stderr[-3000:]
-    return store
+    def build(d):
+        r = dflash("extract", "--config", TINY, "--shards", "2", "--store", str(d / "store.zarr"), *TINY_STORE_OPTS)
+        assert "finished shard(s) [0, 1]" in r.stderr and "complete" in r.stderr, r.stderr[-3000:]
+
+    return str(build_once(tmp_path_factory, "tiny-store", build) / "store.zarr")
 
 
 @pytest.fixture(scope="session")
 def small_store(tmp_path_factory) -> str:
-    """A one-shard store of the first 48 tiny-chat samples (bf16), extracted once per session by the CLI, for the
+    """A one-shard store of the first 48 tiny-chat samples (bf16), extracted once per test run by the CLI, for the
     tests whose short runs need no more (before, each of their files extracted the same store itself). Shared:
     read it, never write it (training and eval only read a store)."""
     from helpers_cli import TINY, dflash
 
-    store = str(tmp_path_factory.mktemp("small-store") / "store.zarr")
-    r = dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=48")
-    assert "complete" in r.stderr, r.stderr[-3000:]
-    return store
+    def build(d):
+        r = dflash("extract", "--config", TINY, "--shards", "1", "--store", str(d / "store.zarr"), "--set",
+                   "data.max_samples=48")
+        assert "complete" in r.stderr, r.stderr[-3000:]
+
+    return str(build_once(tmp_path_factory, "small-store", build) / "store.zarr")
 
 
 @pytest.fixture(scope="session")
 def quality_run(tmp_path_factory):
     """(store, run): 800 tiny-chat samples extracted into one shard and the drafter trained on them for 3 epochs
-    (batch 4), built once per session for test_eval's quality test, test_sampling_eval (eval at temperature 0.7)
+    (batch 4), built once per test run for test_eval's quality test, test_sampling_eval (eval at temperature 0.7)
     and test_best_ckpt (its --init-from donor); each trained a drafter of its own before. Shared: read it, never
     change it (training and eval only read a store; eval writes its report to --out and replaces the export's
     dflash_tau.json record, which none of its readers looks at)."""
     from helpers_cli import TINY, dflash
 
-    d = tmp_path_factory.mktemp("quality")
-    store, run = str(d / "store.zarr"), d / "run"
-    dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=800")
-    train = ["train.batch_size=4", "train.epochs=3", "train.num_workers=0", "train.val_every=1000",
-             "train.checkpoint_every=1000"]
-    dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}",
-           *[x for item in train for x in ("--set", item)])
-    return store, run
+    def build(d):
+        store, run = str(d / "store.zarr"), d / "run"
+        dflash("extract", "--config", TINY, "--shards", "1", "--store", store, "--set", "data.max_samples=800")
+        train = ["train.batch_size=4", "train.epochs=3", "train.num_workers=0", "train.val_every=1000",
+                 "train.checkpoint_every=1000"]
+        dflash("train", "--config", TINY, "--store", store, "--set", f"train.run_dir={run}",
+               *[x for item in train for x in ("--set", item)])
+
+    d = build_once(tmp_path_factory, "quality", build)
+    return str(d / "store.zarr"), d / "run"
 
 
 @pytest.fixture
@@ -92,7 +98,53 @@ def tiny_store_copy(tiny_store, tmp_path) -> str:
     return str(dst)
 
 
+# Each file's time in a serial CI run (seconds, the slowest; tests/conftest.py prints them all at the end). Under
+# pytest-xdist the files run slowest first, so the last file to finish is a short one (longest processing time
+# first: with two workers the run then ends within about the shortest file's time of the other worker).
+FILE_SECONDS = {
+    "test_bench_parts.py": 389, "test_run_expand.py": 147, "test_ops.py": 145, "test_follow.py": 127,
+    "test_resume.py": 112, "test_best_ckpt.py": 100, "test_train.py": 91, "test_extract.py": 69,
+    "test_regenerate.py": 62, "test_hybrid.py": 61, "test_resume_edges.py": 59, "test_run.py": 52,
+    "test_store_concurrency.py": 50, "test_untrusted_files.py": 49, "test_long_samples.py": 49,
+    "test_pack_bench.py": 45, "test_multinode.py": 41, "test_recode.py": 39, "test_quiet_log.py": 36,
+    "test_resume_global_batch.py": 35, "test_step_count.py": 34, "test_regen_client.py": 34,
+    "test_multinode_extract.py": 33, "test_fast_forward.py": 28,
+}
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`, as CI runs the suite) every file runs on one worker (`--dist loadfile`: the
+    module fixtures that start a file's slow commands ahead, helpers_cli.selected, need its tests together), in
+    the order collected (FILE_SECONDS), not xdist's reordering by test count."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist in ("load", "loadfile"):
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
+
+
+@pytest.fixture(scope="session")
+def machine(tmp_path_factory):
+    """The cores, shared by every test of every pytest-xdist worker, or held alone by one (helpers_share.Machine)."""
+    m = Machine(shared_root(tmp_path_factory))
+    yield m
+    m.close()
+
+
+@pytest.fixture(autouse=True)
+def _share_the_machine(request):
+    """Under pytest-xdist each test holds the machine shared, so a test that needs it alone can wait for it."""
+    if not under_xdist():
+        yield
+        return
+    with request.getfixturevalue("machine").shared():
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
+    if under_xdist():  # slowest files first (FILE_SECONDS), each file's tests in their own order
+        rank = {}
+        for i, item in enumerate(items):
+            rank.setdefault(item.path.name, (-FILE_SECONDS.get(item.path.name, 0), i))
+        items.sort(key=lambda item: rank[item.path.name])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")

@@ -114,11 +114,17 @@ def side_by_side(*runs: tuple, timeout=HANG_S) -> list[subprocess.CompletedProce
     return [s.result(timeout) for s in started]
 
 
+def one_worker_per_file(config) -> bool:
+    """Whether every test of a file runs in this process: no pytest-xdist, or its `--dist loadfile` (which
+    tests/conftest.py sets whenever the suite runs with -n)."""
+    return not hasattr(config, "workerinput") or config.getoption("dist", "no") == "loadfile"
+
+
 def selected(request, *names: str) -> list:
     """The items this session will run of the requesting module's test functions `names` (one per parametrization),
     for a module fixture that starts their slow commands together, ahead (an item's callspec gives its params).
-    Under pytest-xdist none: another worker may run the others, so each test starts its own when it asks."""
-    if hasattr(request.config, "workerinput"):
+    None where another pytest-xdist worker may run the others (each test then starts its own when it asks)."""
+    if not one_worker_per_file(request.config):
         return []
     return [i for i in request.session.items if i.path == request.path and getattr(i, "originalname", None) in names]
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.parts import PARTS, Ctx, Step  # noqa: E402
 from bench.parts_run import run_steps, wait_detached  # noqa: E402
+from helpers_cli import one_worker_per_file  # noqa: E402
 
 # parts that need an earlier part's results in the same OUT (as bench/device_run.sh's usage lines run them)
 AFTER = {"ddpopts": "e2emfu", "tau-collect": "tau-start"}
@@ -188,10 +189,10 @@ def part_runs():
 
 
 def _selected_parts(request) -> list[str]:
-    """The parts of this function's selected tests, in order (only this one under pytest-xdist: another worker may
-    run the others)."""
+    """The parts of this function's selected tests, in order (only this one where another pytest-xdist worker may
+    run the others: helpers_cli.one_worker_per_file)."""
     items = [i for i in request.session.items if getattr(i, "originalname", None) == request.node.originalname]
-    if hasattr(request.config, "workerinput") or request.node.nodeid not in [i.nodeid for i in items]:
+    if not one_worker_per_file(request.config) or request.node.nodeid not in [i.nodeid for i in items]:
         return [request.node.callspec.params["name"]]
     return [i.callspec.params["name"] for i in items]
 
@@ -206,21 +207,26 @@ def _start_next(runs: dict, after: list[str], factory) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [p for p in PARTS
-                                  if p not in AFTER.values() and p not in DEDICATED and p not in SAME_AS])
-def test_part_runs_at_its_tiny_size_on_the_cpu(name, part_runs, request, tmp_path_factory):
+@pytest.mark.parametrize("name", sorted([p for p in PARTS if p not in AFTER.values() and p not in DEDICATED
+                                         and p not in SAME_AS], key=lambda p: p not in ALONE))  # ALONE parts first
+def test_part_runs_at_its_tiny_size_on_the_cpu(name, part_runs, request, tmp_path_factory, machine):
     """What `bash bench/device_run.sh smoke` runs, each part in its own run (two side by side, see above): exit 0
-    and every --out file written."""
+    and every --out file written. An ALONE part first waits for the other pytest-xdist workers' tests to end, and
+    holds their next ones until its marker (conftest's `machine`)."""
     queue = _selected_parts(request)
     after = queue[queue.index(name) + 1:]
+    if name in ALONE and not part_runs.get(name):
+        machine.alone()
     run = part_runs.pop(name, None) or _Run(name, tmp_path_factory.mktemp(f"part-{name}"))
     while run.running():
         if time.monotonic() - run.t0 > LIMIT_S:
             run.kill()
             pytest.fail(f"{name}: still running after {LIMIT_S} s")
         if run.alone_part_done():
+            machine.share()
             _start_next(part_runs, after, tmp_path_factory)
         time.sleep(0.5)
+    machine.share()
     _start_next(part_runs, after, tmp_path_factory)
     stdout, stderr = run.output()
     assert run.p.returncode == 0, stdout[-4000:] + stderr[-2000:]
