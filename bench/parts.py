@@ -484,11 +484,12 @@ def packmfu(c: Ctx) -> list:
 @part("followtau")
 def followtau(c: Ctx) -> list:
     """Issue 17's tau check on the host's CPUs: FT_SEEDS seeds side by side, each its own bench/follow_tau.py (own
-    stores; 2 threads each), extraction slowed by FT_DELAY s a batch so training really follows."""
+    stores; FT_THREADS threads each, 2, or 1 at the tiny size beside the suite's other work), extraction slowed
+    by FT_DELAY s a batch so training really follows."""
     runs = [_bench(c, "follow_tau.py", ["--out", str(c.tmp / "ft" / f"s{s}"), "--seeds", str(s), "--delay", c.var("FT_DELAY", "3", "0"),
                    "--extract-set", f"data.max_samples={c.var('FT_SAMPLES', '800', '48')}"],
                    ["--set", "train.max_steps=2", "--set", "eval.num_prompts=2"], f"followtau-s{s}.log",
-                   env={"OMP_NUM_THREADS": "2"}, timeout=float(c.var("FT_LIMIT", "520", "900")), show=0)
+                   env={"OMP_NUM_THREADS": c.var("FT_THREADS", "2", "1")}, timeout=float(c.var("FT_LIMIT", "520", "900")), show=0)
             for s in range(int(c.var("FT_SEEDS", "8", "1")))]
 
     def summary() -> None:

@@ -14,7 +14,9 @@ Contract:
   without a JSON config.json, as one line naming the path and the config key (extract and regenerate: before any
   transformers traceback).
 - `usable_cores()` is the number of cores this process may run on (its CPU affinity, which a scheduler's
-  cgroup sets), not the machine's count.
+  cgroup sets), not the machine's count. `cpu_threads(processes, reserve)` is the torch threads each of
+  `processes` CPU processes side by side gets: OMP_NUM_THREADS when it is set (the caller runs several jobs on
+  the same cores), else the usable cores, less `reserve`, shared out; at least 1.
 - `compile_cache_dir(root, key_parts)` is a directory keyed by what produced the artifacts (torch version,
   dflash version, the model configuration); different code never shares a cache, so nobody deletes one
   by hand. `rebuild=True` empties it first.
@@ -71,6 +73,16 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+def cpu_threads(processes: int = 1, reserve: int = 0) -> int:
+    """See the module contract. OpenMP threads that outnumber the cores spin against each other: two tiny
+    trainings of two threads each side by side on 2 cores took 3x the CPU time of one alone, one thread each
+    took the same as alone (docs/benchmarks-log.md, "OpenMP threads in the test suite")."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
+    return max(1, usable_cores() // max(1, processes) - reserve)
 
 
 def physical_gpu(g: int) -> str:

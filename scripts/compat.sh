@@ -32,4 +32,4 @@ PY
   touch "$DIR/.complete"
 fi
 PYTHONPATH="$PWD/$DIR" .venv/bin/python -c "import transformers as t; assert t.__version__ == '$V', t.__version__; print('compat: transformers', t.__version__, 'from', t.__file__)"
-PYTHONPATH="$PWD/$DIR" .venv/bin/python -m pytest -q -m "not slow" -p no:cacheprovider "$@"
+PYTHONPATH="$PWD/$DIR" .venv/bin/python -m pytest -q -m "not slow" -p no:cacheprovider -n 2 "$@"

@@ -231,9 +231,9 @@ def _run_workers(cfg: Config, num_shards: int,
 
     if not isinstance(sys.stderr, Tee):  # the parent's own lines go to STORE/logs/extract.log too
         sys.stderr = Tee(sys.stderr, logs / "extract.log")
-    from pipeline.preflight import usable_cores
+    from pipeline.preflight import cpu_threads
 
-    cpu_threads = max(1, usable_cores() // len(todo))
+    threads = cpu_threads(len(todo))  # on the CPU: each worker's share (OMP_NUM_THREADS when set)
     # the workers' one config and their samples, resolved and tokenised here once (not once more per worker)
     from data.ingest import save_shard_samples
     from pipeline.config import write_config
@@ -256,7 +256,7 @@ def _run_workers(cfg: Config, num_shards: int,
             env["CUDA_VISIBLE_DEVICES"] = ""
         cmd = [sys.executable, "-m", "stages.extract_worker", "--config", str(resolved), "--samples",
                str(logs / f"extract-samples-{i:05d}.npz"), "--shard-index", str(i), "--shards", str(num_shards),
-               "--store", store_path, "--threads", str(0 if n_gpu else cpu_threads), "--lock-token", locks[i].token]
+               "--store", store_path, "--threads", str(0 if n_gpu else threads), "--lock-token", locks[i].token]
         p = workers.spawn(i, cmd, log=logs / f"extract-shard-{i:05d}.log", env=env,
                           on_line=lambda line, i=i: monitor.feed(i, line))
         locks[i].add_pid(p.pid)  # the lock stays live while the worker runs, even if this process dies

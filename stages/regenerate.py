@@ -208,7 +208,7 @@ def _run_workers(cfg: Config, out: str, shards: Optional[int], gpus: Optional[li
     import torch
 
     from pipeline.config import write_config
-    from pipeline.preflight import check_gpus_free, physical_gpu, target_gib, usable_cores
+    from pipeline.preflight import check_gpus_free, cpu_threads, physical_gpu, target_gib
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     num_shards = shards or max(1, len(gpus) if gpus else n_gpu)
@@ -217,7 +217,7 @@ def _run_workers(cfg: Config, out: str, shards: Optional[int], gpus: Optional[li
         check_gpus_free(list(gpu_of.values()), need_gib=target_gib(cfg.target.path) + 8)
     work = Path(out) / "work"
     logs = work / "logs"
-    threads = 0 if n_gpu else max(1, usable_cores() // num_shards)
+    threads = 0 if n_gpu else cpu_threads(num_shards)
     resolved = write_config(cfg, work / "regenerate-config.yaml")  # the workers' one config: no --set strings
     errors: dict[int, str] = {}
 

@@ -41,6 +41,10 @@ from stages.train_batch import nearest_accumulate
 ENV_DIR = "DFLASH_HANDOVER_DIR"  # set for an expanding training: where it looks for the request
 ENV_FIRST = "DFLASH_HANDOVER_FIRST"  # set for the relaunched training: where rank 0 writes its first step's time
 ENV_HOLD = "DFLASH_TEST_HANDOVER_HOLD"
+# tests: an expanding training hands over at exactly this optimizer step (stages/train_handover.py): it waits there
+# for the request, and takes none before it. At the tiny size a whole run's steps take about a second, less than
+# the extraction process's exit after its last commit, so the step the request met was anywhere up to the last.
+ENV_AT = "DFLASH_TEST_HANDOVER_AT"
 REQUEST, STOPPED, FIRST_STEP = "handover-request.json", "handover-stopped.json", "handover-first-step.json"
 LOG = "handover.jsonl"
 

@@ -14,6 +14,8 @@ Contract:
   (stages/progress.FinalCheckpoint): Lightning's teardown would copy them to host memory before the exit.
 - The relaunched training's rank 0 writes handover-first-step.json (the time and the step) at the end of its
   first optimizer step.
+- Tests only: DFLASH_TEST_HANDOVER_AT=N makes the handover step N whenever the extraction ends (a request before
+  step N waits; at step N every rank waits for the request).
 Nothing here touches the training math or the data position; the resume is stages/train.py's.
 """
 
@@ -28,7 +30,7 @@ from typing import Optional
 import lightning as L
 import torch
 
-from stages.run_expand import ENV_DIR, ENV_FIRST, REQUEST, STOPPED, hold, read_json, write_json
+from stages.run_expand import ENV_AT, ENV_DIR, ENV_FIRST, REQUEST, STOPPED, hold, read_json, write_json
 
 
 class HandoverCallback(L.Callback):
@@ -59,6 +61,12 @@ class HandoverCallback(L.Callback):
 
     def _asked(self, trainer) -> bool:
         asked = (self.logs / REQUEST).exists()
+        at = os.environ.get(ENV_AT)
+        if at is not None:  # tests: exactly at step `at` (see the module contract)
+            while trainer.global_step == int(at) and not asked:
+                time.sleep(0.05)
+                asked = (self.logs / REQUEST).exists()
+            asked = asked and trainer.global_step >= int(at)
         if trainer.world_size == 1:
             return asked
         import torch.distributed as dist

@@ -126,11 +126,9 @@ def place_ranks(*, cfg: Config, gpus: Optional[list[int]], devices: Optional[int
         precision = "32-true"
         # share the cores: OpenMP threads that outnumber cores spin against each other (10x slower steps);
         # an explicit OMP_NUM_THREADS (several runs side by side) wins
-        if not os.environ.get("OMP_NUM_THREADS"):
-            from pipeline.preflight import usable_cores
+        from pipeline.preflight import cpu_threads
 
-            spare = usable_cores() // per_node - (1 if cfg.train.num_workers > 0 else 0)
-            torch.set_num_threads(max(1, spare))
+        torch.set_num_threads(cpu_threads(per_node, reserve=1 if cfg.train.num_workers > 0 else 0))
     from stages.train_nodes import Topology
 
     if num_nodes is not None:

@@ -5,11 +5,18 @@ run (`quality_run`: a store of 800 samples and the drafter trained on it). The C
 
 import os
 
-import pytest
-import torch
-from helpers_share import Machine, build_once, shared_root, under_xdist
+# One OpenMP thread a process, unless the caller set OMP_NUM_THREADS: the suite's models are tiny, so a second thread
+# gains nothing, and its processes run side by side (two workers, commands started ahead), where threads that
+# outnumber the cores spin against each other: two 2-thread tiny trainings side by side on 2 cores took 3x the CPU
+# time of one alone (docs/benchmarks-log.md, "OpenMP threads in the test suite"). Every command a test starts
+# inherits it (pipeline.preflight.cpu_threads); in this process a serial run keeps two threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers_share import Machine, build_once, shared_root, under_xdist  # noqa: E402
+
+torch.set_num_threads(1 if under_xdist() else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture

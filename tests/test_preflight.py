@@ -66,3 +66,16 @@ def test_shard_gpu_choice():
         shard_gpus([0, 3], 2, None, 2)
     with pytest.raises(ExtractError, match="one GPU"):
         shard_gpus([0, 1], 5, 3, 8)
+
+
+def test_cpu_threads_share_the_usable_cores_unless_omp_num_threads_is_set(monkeypatch):
+    """Extraction, regeneration and CPU training size their torch threads here: the usable cores shared out, less
+    a reserve (training's loader worker), at least 1; an explicit OMP_NUM_THREADS wins (the test suite sets 1)."""
+    monkeypatch.setattr(preflight.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [preflight.cpu_threads(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    assert preflight.cpu_threads(2, reserve=1) == 3 and preflight.cpu_threads(8, reserve=1) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert preflight.cpu_threads(1) == 3 and preflight.cpu_threads(4, reserve=1) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # empty or not a count: as if unset
+    assert preflight.cpu_threads(2) == 4

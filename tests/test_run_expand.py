@@ -23,7 +23,11 @@ import torch
 from helpers_cli import HANG_S, ROOT, must_pass, selected, start
 from pipeline.ckpt_io import load_training_checkpoint
 
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1"}
+# Every expanding run hands over at step 2 (stages/run_expand.ENV_AT): a tiny run's steps take about a second in
+# all, less than the extraction process takes to exit after its last commit, and a run whose store was complete
+# before its first step handed over at its last step, with no step left for two ranks.
+HANDOVER_AT = 2
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1", "DFLASH_TEST_HANDOVER_AT": str(HANDOVER_AT)}
 SETS = ["data.max_samples=32", "extract.shards=1", "extract.token_budget=512", "train.epochs=2", "train.num_anchors=8",
         "train.num_workers=0", "train.batch_size=4", "train.accumulate_grad_batches=2", "train.follow_buffer=8",
         "train.val_every=1000", "train.lr=0.01"]
@@ -66,8 +70,12 @@ def _trained_steps(run: Path) -> dict[int, list[list[int]]]:
 
 
 def _two_ranks_from(run: Path) -> int:
-    """The first step the run trained on two ranks (its handover step; 0 when it trained on two from its start)."""
+    """The first step the run trained on two ranks (its handover step; 0 when it trained on two from its start;
+    its last step when rank 1 trained none: one rank trained both epochs before the handover's request came, so
+    it handed over at the last step, as a kill test's first run did once its steps took 0.1 s)."""
     path = run / "logs" / "samples-rank1.jsonl"
+    if not path.exists():
+        return _weights(run)["global_step"]
     return min(json.loads(x)["step"] for x in path.read_text().splitlines())
 
 
@@ -116,7 +124,7 @@ def test_run_expands_to_the_extraction_devices_and_trains_an_unexpanded_runs_ste
     expected = _steps(ref, [0])
     assert len(expected) == _weights(run)["global_step"] and all(len(b) == 2 for b in expected.values())
     before = _steps(run, [0], keep=lambda x: x["step"] < step)
-    assert 0 < step < len(expected) and sorted(before) == list(range(step))
+    assert step == HANDOVER_AT < len(expected) and sorted(before) == list(range(step))
     after = {s: b for s, b in _steps(run, [0, 1]).items() if s >= step}
     assert {**before, **after} == expected
 
@@ -158,6 +166,7 @@ def test_kill_9_during_the_handover_then_the_same_command_gives_the_uninterrupte
     # the rerun whenever the rerun's two-rank start can be told now (the rerun resumes at the handover step; killed
     # before that checkpoint, it trains on two ranks from step 0); the test still decides on the rerun's own logs
     expected_from = 0 if phase == "checkpoint" else json.loads(stopped.read_text())["step"]
+    assert expected_from == (0 if phase == "checkpoint" else HANDOVER_AT)
     hand = _by_hand(phase, store, by_hand) if _needs_by_hand(phase, expected_from, expanded[1]) else None
     r = _run(_cmd(store, run))
     assert "(already complete)" in r.stderr and "extraction skipped" in r.stderr and "training on 2 CPU" in r.stderr
