@@ -105,17 +105,18 @@ def tiny_store_copy(tiny_store, tmp_path) -> str:
     return str(dst)
 
 
-# Each file's time in a serial CI run (seconds, the slowest; tests/conftest.py prints them all at the end). Under
-# pytest-xdist the files run slowest first, so the last file to finish is a short one (longest processing time
-# first: with two workers the run then ends within about the shortest file's time of the other worker).
+# Each file's time in a two-worker run (seconds, the slowest; printed at the end of every run: docs/benchmarks-log.md,
+# "Test suite: one OpenMP thread a process"). Under pytest-xdist the files run slowest first, so the last file to
+# finish is a short one (longest processing time first: the run then ends within about the shortest file's time of
+# the other workers).
 FILE_SECONDS = {
-    "test_bench_parts.py": 389, "test_run_expand.py": 147, "test_ops.py": 145, "test_follow.py": 127,
-    "test_resume.py": 112, "test_best_ckpt.py": 100, "test_train.py": 91, "test_extract.py": 69,
-    "test_regenerate.py": 62, "test_hybrid.py": 61, "test_resume_edges.py": 59, "test_run.py": 52,
-    "test_store_concurrency.py": 50, "test_untrusted_files.py": 49, "test_long_samples.py": 49,
-    "test_pack_bench.py": 45, "test_multinode.py": 41, "test_recode.py": 39, "test_quiet_log.py": 36,
-    "test_resume_global_batch.py": 35, "test_step_count.py": 34, "test_regen_client.py": 34,
-    "test_multinode_extract.py": 33, "test_fast_forward.py": 28,
+    "test_bench_parts.py": 572, "test_ops.py": 220, "test_run_expand.py": 183, "test_follow.py": 169,
+    "test_best_ckpt.py": 150, "test_resume.py": 115, "test_train.py": 95, "test_extract.py": 89,
+    "test_pack_bench.py": 81, "test_regenerate.py": 74, "test_resume_edges.py": 71, "test_multinode.py": 70,
+    "test_recode.py": 58, "test_hybrid.py": 58, "test_run.py": 57, "test_untrusted_files.py": 56,
+    "test_quiet_log.py": 54, "test_multinode_extract.py": 50, "test_store_concurrency.py": 44,
+    "test_arch_sizes.py": 40, "test_regen_client.py": 38, "test_compile_count.py": 34, "test_dflash2_export.py": 31,
+    "test_resume_global_batch.py": 30,
 }
 
 

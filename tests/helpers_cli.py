@@ -117,7 +117,9 @@ def side_by_side(*runs: tuple, timeout=HANG_S) -> list[subprocess.CompletedProce
 def one_worker_per_file(config) -> bool:
     """Whether every test of a file runs in this process: no pytest-xdist, or its `--dist loadfile` (which
     tests/conftest.py sets whenever the suite runs with -n)."""
-    return not hasattr(config, "workerinput") or config.getoption("dist", "no") == "loadfile"
+    from helpers_share import under_xdist
+
+    return not under_xdist() or config.getoption("dist", "no") == "loadfile"
 
 
 def selected(request, *names: str) -> list:
