@@ -6,7 +6,7 @@ run (`quality_run`: a store of 800 samples and the drafter trained on it). The C
 import os
 
 # One OpenMP thread a process, unless the caller set OMP_NUM_THREADS: the suite's models are tiny, so a second thread
-# gains nothing, and its processes run side by side (two workers, commands started ahead), where threads that
+# gains nothing, and its processes run side by side (three workers, commands started ahead), where threads that
 # outnumber the cores spin against each other: two 2-thread tiny trainings side by side on 2 cores took 3x the CPU
 # time of one alone (docs/benchmarks-log.md, "OpenMP threads in the test suite"). Every command a test starts
 # inherits it (pipeline.preflight.cpu_threads); in this process a serial run keeps two threads.
@@ -121,7 +121,7 @@ FILE_SECONDS = {
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (`-n 2`, as CI runs the suite) every file runs on one worker (`--dist loadfile`: the
+    """Under pytest-xdist (`-n 3`, as CI runs the suite) every file runs on one worker (`--dist loadfile`: the
     module fixtures that start a file's slow commands ahead, helpers_cli.selected, need its tests together), in
     the order collected (FILE_SECONDS), not xdist's reordering by test count."""
     if getattr(config.option, "numprocesses", None) and config.option.dist in ("load", "loadfile"):

@@ -1,4 +1,4 @@
-"""What the suite's pytest-xdist workers share (CI runs `pytest -n 2 --dist loadfile`, issue 44): a session
+"""What the suite's pytest-xdist workers share (CI runs `pytest -n 3 --dist loadfile`, issue 44): a session
 fixture built once for all workers (`build_once`), and the machine itself (`Machine`): every test holds it shared,
 and a test whose run needs the cores to itself (node8's run phase, tests/test_bench_parts.py) takes it alone.
 

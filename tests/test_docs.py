@@ -23,9 +23,9 @@ def test_readme_is_short_and_has_no_dated_figures():
 
 def test_readme_test_command_is_the_one_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "./scripts/setup.sh" in ci and "python -m pytest -q -n 2\n" in ci and "bash scripts/compat.sh" in ci
+    assert "./scripts/setup.sh" in ci and "python -m pytest -q -n 3\n" in ci and "bash scripts/compat.sh" in ci
     readme = (ROOT / "README.md").read_text()
-    assert "./scripts/setup.sh && .venv/bin/python -m pytest -q -n 2 && bash scripts/compat.sh" in readme
+    assert "./scripts/setup.sh && .venv/bin/python -m pytest -q -n 3 && bash scripts/compat.sh" in readme
 
 
 def test_every_relative_link_resolves():
