@@ -78,7 +78,7 @@ def usable_cores() -> int:
 def cpu_threads(processes: int = 1, reserve: int = 0) -> int:
     """See the module contract. OpenMP threads that outnumber the cores spin against each other: two tiny
     trainings of two threads each side by side on 2 cores took 3x the CPU time of one alone, one thread each
-    took the same as alone (docs/benchmarks-log.md, "OpenMP threads in the test suite")."""
+    took the same as alone (docs/benchmarks-log.md, "Test suite: one OpenMP thread a process")."""
     explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
     if explicit.isdigit() and int(explicit) > 0:
         return int(explicit)

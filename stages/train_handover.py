@@ -37,6 +37,7 @@ class HandoverCallback(L.Callback):
     def __init__(self, logs: Path, expanding: bool, first_step: Optional[Path]):
         self.logs, self.expanding, self.first_step = logs, expanding, first_step
         self.seen_step, self.group = None, None
+        self.test_at = int(os.environ[ENV_AT]) if os.environ.get(ENV_AT) else None  # tests only (module contract)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.seen_step = trainer.global_step
@@ -61,12 +62,11 @@ class HandoverCallback(L.Callback):
 
     def _asked(self, trainer) -> bool:
         asked = (self.logs / REQUEST).exists()
-        at = os.environ.get(ENV_AT)
-        if at is not None:  # tests: exactly at step `at` (see the module contract)
-            while trainer.global_step == int(at) and not asked:
+        if self.test_at is not None:  # tests: exactly at step test_at (see the module contract)
+            while trainer.global_step == self.test_at and not asked:
                 time.sleep(0.05)
                 asked = (self.logs / REQUEST).exists()
-            asked = asked and trainer.global_step >= int(at)
+            asked = asked and trainer.global_step >= self.test_at
         if trainer.world_size == 1:
             return asked
         import torch.distributed as dist

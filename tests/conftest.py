@@ -8,7 +8,7 @@ import os
 # One OpenMP thread a process, unless the caller set OMP_NUM_THREADS: the suite's models are tiny, so a second thread
 # gains nothing, and its processes run side by side (three workers, commands started ahead), where threads that
 # outnumber the cores spin against each other: two 2-thread tiny trainings side by side on 2 cores took 3x the CPU
-# time of one alone (docs/benchmarks-log.md, "OpenMP threads in the test suite"). Every command a test starts
+# time of one alone (docs/benchmarks-log.md, "Test suite: one OpenMP thread a process"). Every command a test starts
 # inherits it (pipeline.preflight.cpu_threads); in this process a serial run keeps two threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
