@@ -4,6 +4,7 @@ fixtures built once for the whole run: the tiny store (`tiny_store`, copied by t
 run (`quality_run`: a store of 800 samples and the drafter trained on it). The CLI runner is tests/helpers_cli.py."""
 
 import os
+import resource
 
 # One OpenMP thread a process, unless the caller set OMP_NUM_THREADS: the suite's models are tiny, so a second thread
 # gains nothing, and its processes run side by side (three workers, commands started ahead), where threads that
@@ -15,6 +16,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from helpers_share import Machine, build_once, shared_root, under_xdist  # noqa: E402
+
+_CPU_AT_START = pytest.StashKey[float]()
 
 torch.set_num_threads(1 if under_xdist() else max(1, min(2, os.cpu_count() or 1)))
 
@@ -161,24 +164,55 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU time (user + system) and that of every child process it has reaped, the children's own
+    reaped children included (a test's commands and their ranks, workers and servers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test's CPU seconds ride on its teardown report (pytest-xdist sends it to the controller): unlike its
+    wall time, they do not grow when the other workers load the machine. A command a module fixture started
+    ahead counts in the test that reaps it, always one of its file's."""
+    outcome = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_AT_START]))
+
+
 def pytest_terminal_summary(terminalreporter):
     """The suite's time per test file, slowest first (issue 44: a test's slowness is visible in review; the CI
     run's table goes into docs/benchmarks.md). Setup, call and teardown all count, session fixtures included in
-    the file that first needed them."""
+    the file that first needed them. The CPU column (user + system, the test's commands included) is what a
+    file costs the machine whatever ran beside it."""
     per_file: dict[str, float] = {}
+    cpu_file: dict[str, float] = {}
     per_test: dict[str, float] = {}
+    cpu_test: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for rep in reports:
             if getattr(rep, "when", None) in ("setup", "call", "teardown") and hasattr(rep, "duration"):
                 name = rep.nodeid.split("::", 1)[0]
                 per_file[name] = per_file.get(name, 0.0) + rep.duration
                 per_test[rep.nodeid] = per_test.get(rep.nodeid, 0.0) + rep.duration
+                cpu = dict(getattr(rep, "user_properties", ()) or ()).get("cpu_s")
+                if cpu is not None:
+                    cpu_file[name] = cpu_file.get(name, 0.0) + cpu
+                    cpu_test[rep.nodeid] = cpu
     if len(per_file) < 2:
         return
     rows = sorted(per_file.items(), key=lambda kv: -kv[1])
-    terminalreporter.write_sep("-", f"time per test file ({sum(per_file.values()) / 60:.1f} min in all)")
+    terminalreporter.write_sep("-", f"time per test file ({sum(per_file.values()) / 60:.1f} min in all, "
+                                    f"{sum(cpu_file.values()) / 60:.1f} CPU min)")
     for name, secs in rows[:40]:
-        terminalreporter.write_line(f"{secs:8.1f} s  {name}")
+        terminalreporter.write_line(f"{secs:8.1f} s  {cpu_file.get(name, 0.0):8.1f} CPU s  {name}")
     terminalreporter.write_sep("-", "the 25 slowest tests (setup, call and teardown)")
     for name, secs in sorted(per_test.items(), key=lambda kv: -kv[1])[:25]:
-        terminalreporter.write_line(f"{secs:8.1f} s  {name}")
+        terminalreporter.write_line(f"{secs:8.1f} s  {cpu_test.get(name, 0.0):8.1f} CPU s  {name}")
