@@ -387,9 +387,11 @@ def _study(c: Ctx, script: str, name: str, args: list, tiny: list, limit: str, e
 
 
 # the tiny studies' reference store holds 48 conversations (--set overrides training only: it used to extract all
-# 3,236, ~45 s of a smoke run's CPU for each of tau, tau-start and archtau)
+# 3,236, ~45 s of a smoke run's CPU for each of tau, tau-start and archtau), in one shard (one worker process, ~5 s
+# of CPU, fewer than the config's two)
+TINY_EXTRACT = ["--extract-set", "extract.shards=1"]
 TAU_TINY = ["--set", "train.max_steps=2", "--set", "data.max_samples=48", "--set", "eval.num_prompts=2",
-            "--extract-set", "data.max_samples=48"]
+            "--extract-set", "data.max_samples=48", *TINY_EXTRACT]
 
 
 @part("archtau")
@@ -455,7 +457,7 @@ def packtau(c: Ctx) -> list:
     return [_study(c, "pack_tau.py", "packtau", ["--seeds", c.var("PT_SEEDS", "0..7", "0"),
                    "--set", f"train.epochs={c.var('PT_EPOCHS', '1', '1')}", "--jobs", c.var("PT_JOBS", "16", "2"),
                    "--threads", "1", "--cpu", *(["--extract-set", extract_set] if extract_set else [])],
-                   ["--set", "train.max_steps=2"], c.var("PT_LIMIT", "560", "1800"))]
+                   ["--set", "train.max_steps=2", *TINY_EXTRACT], c.var("PT_LIMIT", "560", "1800"))]
 
 
 PM_TINY = ["--config", "configs/tiny.yaml", "--hidden", "128", "--vocab", "512", "--layer-ids", "1,3,5", "--encoding",
@@ -536,7 +538,7 @@ def tinyprof(c: Ctx) -> list:
 
 def _tiny_train(c: Ctx, d: str, wrap: list, only: str, steps: str) -> list:
     store, run = str(c.tmp / d / "bf16.zarr"), str(c.tmp / d / "run")
-    sets = ["store.encoding=bf16", *(["data.max_samples=48"] if c.tiny else [])]
+    sets = ["store.encoding=bf16", *(["data.max_samples=48", "extract.shards=1"] if c.tiny else [])]
     train = ["train.batch_size=8", f"train.max_steps={c.var('TINY_STEPS', steps, '3')}", "train.num_workers=0",
              f"train.run_dir={run}", "train.val_every=100000", "train.log_every=50"]
     x = [PY, "-m", "stages.cli", "extract", "--store", store, *(a for s in sets for a in ("--set", s))]
