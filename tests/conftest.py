@@ -181,7 +181,8 @@ def pytest_runtest_protocol(item):
 def pytest_runtest_makereport(item, call):
     """A test's CPU seconds ride on its teardown report (pytest-xdist sends it to the controller): unlike its
     wall time, they do not grow when the other workers load the machine. A command a module fixture started
-    ahead counts in the test that reaps it, always one of its file's."""
+    ahead counts in the test that reaps it, always one of its file's; a process nobody reaps (a DDP rank its
+    Lightning launcher leaves, a command killed and never waited for) does not count."""
     outcome = yield
     if call.when == "teardown" and _CPU_AT_START in item.stash:
         outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_AT_START]))
