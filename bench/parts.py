@@ -457,7 +457,7 @@ def packtau(c: Ctx) -> list:
     return [_study(c, "pack_tau.py", "packtau", ["--seeds", c.var("PT_SEEDS", "0..7", "0"),
                    "--set", f"train.epochs={c.var('PT_EPOCHS', '1', '1')}", "--jobs", c.var("PT_JOBS", "16", "2"),
                    "--threads", "1", "--cpu", *(["--extract-set", extract_set] if extract_set else [])],
-                   ["--set", "train.max_steps=2", *TINY_EXTRACT], c.var("PT_LIMIT", "560", "1800"))]
+                   ["--set", "train.max_steps=2", "--set", "eval.num_prompts=2", *TINY_EXTRACT], c.var("PT_LIMIT", "560", "1800"))]
 
 
 PM_TINY = ["--config", "configs/tiny.yaml", "--hidden", "128", "--vocab", "512", "--layer-ids", "1,3,5", "--encoding",
@@ -490,7 +490,7 @@ def followtau(c: Ctx) -> list:
     by FT_DELAY s a batch so training really follows."""
     runs = [_bench(c, "follow_tau.py", ["--out", str(c.tmp / "ft" / f"s{s}"), "--seeds", str(s), "--delay", c.var("FT_DELAY", "3", "0"),
                    "--extract-set", f"data.max_samples={c.var('FT_SAMPLES', '800', '48')}"],
-                   ["--set", "train.max_steps=2", "--set", "eval.num_prompts=2"], f"followtau-s{s}.log",
+                   ["--set", "train.max_steps=2", "--set", "eval.num_prompts=2", *TINY_EXTRACT], f"followtau-s{s}.log",
                    env={"OMP_NUM_THREADS": c.var("FT_THREADS", "2", "1")}, timeout=float(c.var("FT_LIMIT", "520", "900")), show=0)
             for s in range(int(c.var("FT_SEEDS", "8", "1")))]
 

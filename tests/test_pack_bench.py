@@ -103,7 +103,8 @@ def test_packmfu_part_at_tiny_size(slow_parts, tmp_path):
 
 @pytest.mark.slow  # a 120-sample tiny store, then one packed and one plain drafter, 2 steps each, evaluated: minutes
 def test_packtau_part_one_seed_at_tiny_size(slow_parts, tmp_path):
-    r, out = _slow_part("packtau", slow_parts, tmp_path)  # bench/parts.py's tiny size: seed 0, 120 samples, 2 steps
+    # bench/parts.py's tiny size: seed 0, 120 samples, 2 steps, 2 online prompts
+    r, out = _slow_part("packtau", slow_parts, tmp_path)
     rows = [json.loads(x) for x in (out / "packtau_results.jsonl").read_text().splitlines()]
     assert sorted(x["run"] for x in rows) == ["packed", "plain"], r.stdout[-2000:]
     assert all(x["seed"] == 0 and x["lossless"] and x["online_tau"] >= 1.0 for x in rows)
