@@ -4,6 +4,7 @@ the registry, the command lines and the runner."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,10 +27,13 @@ AFTER = {"ddpopts": "e2emfu", "tau-collect": "tau-start"}
 # parts whose tiny run has a test of its own that runs the same `bench.parts run --tiny PART` and checks its figures:
 # the generic run below leaves them out (the suite ran each of them twice)
 DEDICATED = {"fastfwd": "test_fast_forward.py", "long": "test_long_samples.py", "longdiag": "test_long_samples.py",
-             "packmfu": "test_pack_bench.py", "packtau": "test_pack_bench.py", "handover": "test_run_expand.py"}
+             "packmfu": "test_pack_bench.py", "packtau": "test_pack_bench.py", "packtests": "test_pack_bench.py",
+             "handover": "test_run_expand.py"}
 # parts whose tiny run is, command line for command line, part of another part's tiny run (gpualone: gputests'
-# second step on its own, a collection of the whole suite): the generic run leaves them out, a fast test checks it
-SAME_AS = {"gpualone": "gputests"}
+# second step on its own, a collection of the whole suite; tau: the study tau-start runs, the same command under
+# `nice -n 19`, detached from a copy of the tree, its rows collected by tau-collect): the generic run leaves them
+# out, a fast test checks it
+SAME_AS = {"gpualone": "gputests", "tau": "tau-start"}
 
 
 def steps_of(name: str, out: Path, tiny: bool) -> list[Step]:
@@ -37,6 +41,20 @@ def steps_of(name: str, out: Path, tiny: bool) -> list[Step]:
     for s in PARTS[name](Ctx(out, tiny)):
         flat += s if isinstance(s, list) else [s] if isinstance(s, Step) else []
     return flat
+
+
+def _collects_only(name: str) -> bool:
+    """Whether a part's tiny run is nothing but `pytest ... --collect-only` commands run where they stand (the
+    parts that run GPU tests: on a machine without CUDA their tiny size collects what the GPU host runs)."""
+    steps = [x for s in PARTS[name](Ctx(ROOT / "out", True)) for x in (s if isinstance(s, list) else [s])]
+    return bool(steps) and all(isinstance(s, Step) and s.argv[1:3] == ["-m", "pytest"] and "--collect-only" in s.argv
+                               and not s.env and s.cwd == ROOT and not s.detach and not s.copy for s in steps)
+
+
+# the parts the generic run below leaves to test_the_gpu_test_parts_collect_their_tests_at_the_tiny_size, which
+# runs all their collections in one process (a process each cost ~4 s of CPU, imports mostly: 12 s for the suite's)
+COLLECT_PARTS = sorted(p for p in PARTS if p not in AFTER.values() and p not in DEDICATED and p not in SAME_AS
+                       and _collects_only(p))
 
 
 def test_every_part_named_by_device_run_sh_is_in_the_registry():
@@ -131,10 +149,17 @@ def test_parts_left_out_of_the_generic_run_have_their_own():
     for name, test_file in DEDICATED.items():
         src = (ROOT / "tests" / test_file).read_text()
         assert name in PARTS and '"bench.parts", "run", "--tiny"' in src and f'"{name}"' in src, (name, test_file)
+    generic = {AFTER.get(p, p) for p in PARTS if p not in DEDICATED and p not in SAME_AS} | set(AFTER)
+    assert COLLECT_PARTS and set(COLLECT_PARTS) <= generic
     for name, other in SAME_AS.items():  # the same command lines, run by the other part's tiny run
         mine, theirs = steps_of(name, ROOT / "out", True), steps_of(other, ROOT / "out", True)
-        assert mine and all(s.argv in [t.argv for t in theirs] for s in mine), (name, other)
-        assert other not in AFTER.values() and other not in DEDICATED and other not in SAME_AS, other
+        assert mine and all(s.argv in [_unniced(t.argv) for t in theirs] for s in mine), (name, other)
+        assert other in generic and other not in DEDICATED and other not in SAME_AS, other
+
+
+def _unniced(argv: list[str]) -> list[str]:
+    """A command line without its `nice -n N` prefix (a detached study runs niced)."""
+    return argv[3:] if argv[:2] == ["nice", "-n"] else argv
 
 
 # A part's tiny run is mostly start-up (imports in one process at a time), so two parts run side by side on the
@@ -208,7 +233,8 @@ def _start_next(runs: dict, after: list[str], factory) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted([p for p in PARTS if p not in AFTER.values() and p not in DEDICATED
-                                         and p not in SAME_AS], key=lambda p: p not in ALONE))  # ALONE parts first
+                                         and p not in SAME_AS and p not in COLLECT_PARTS],
+                                        key=lambda p: p not in ALONE))  # ALONE parts first
 def test_part_runs_at_its_tiny_size_on_the_cpu(name, part_runs, request, tmp_path_factory, machine):
     """What `bash bench/device_run.sh smoke` runs, each part in its own run (two side by side, see above): exit 0
     and every --out file written. An ALONE part first waits for the other pytest-xdist workers' tests to end, and
@@ -246,6 +272,38 @@ def test_part_runs_at_its_tiny_size_on_the_cpu(name, part_runs, request, tmp_pat
             assert list(r["end_phases_s"]) == ["final checkpoint", "Lightning teardown", "loaders", "checkpoint wait",
                                                "summary"], r["end_phases_s"]
             assert r["exit_handlers_begin_s"] is not None and r["exit_after_final_checkpoint_s"] is not None
+
+
+# the child of the next test: each part's pytest arguments through pytest.main, one after the other in this one
+# process (torch, conftest and the test modules imported once), its exit code and the last lines it printed
+_COLLECT = r"""
+import contextlib, io, json, sys
+import pytest
+results = []
+for args in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pytest.main(args)
+    results.append([int(code), out.getvalue()[-3000:]])
+print("DFLASH_COLLECT " + json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_the_gpu_test_parts_collect_their_tests_at_the_tiny_size(tmp_path):
+    """What `bench/device_run.sh smoke` runs of the GPU-test parts (COLLECT_PARTS), each step's pytest arguments as
+    the part passes them, collected in one process: every one exits 0 with at least one test collected (a
+    mistyped file, test id, -m or -k expression collects nothing, or fails)."""
+    steps = [(name, s) for name in COLLECT_PARTS for s in steps_of(name, tmp_path / name, True)]
+    assert {"gputests", "attntests", "iscausal", "gpuleft"} <= {name for name, _ in steps}, COLLECT_PARTS
+    r = subprocess.run([sys.executable, "-c", _COLLECT, json.dumps([s.argv[3:] for _, s in steps])], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    assert r.returncode == 0 and last.startswith("DFLASH_COLLECT "), (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    results = json.loads(last[len("DFLASH_COLLECT "):])
+    assert len(results) == len(steps)
+    for (name, s), (code, out) in zip(steps, results):
+        assert code == 0 and re.search(r"\b[1-9]\d*(/\d+)? tests? collected", out), (name, s.argv, code, out)
 
 
 def test_an_alone_parts_marker_is_the_line_that_starts_its_next_phase():
