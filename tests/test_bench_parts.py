@@ -28,7 +28,8 @@ AFTER = {"ddpopts": "e2emfu", "tau-collect": "tau-start"}
 # the generic run below leaves them out (the suite ran each of them twice)
 DEDICATED = {"fastfwd": "test_fast_forward.py", "long": "test_long_samples.py", "longdiag": "test_long_samples.py",
              "packmfu": "test_pack_bench.py", "packtau": "test_pack_bench.py", "packtests": "test_pack_bench.py",
-             "handover": "test_run_expand.py"}
+             "handover": "test_run_expand.py", "extract35": "test_hybrid.py", "load35": "test_hybrid.py",
+             "regen": "test_regenerate.py"}
 # parts whose tiny run is, command line for command line, part of another part's tiny run (gpualone: gputests'
 # second step on its own, a collection of the whole suite; tau: the study tau-start runs, the same command under
 # `nice -n 19`, detached from a copy of the tree, its rows collected by tau-collect): the generic run leaves them

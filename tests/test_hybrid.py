@@ -400,22 +400,20 @@ def test_kernel_autotuning_is_paid_once_per_machine(tmp_path):
 
 @pytest.mark.slow
 def test_benchmarks_run_on_cpu_at_a_tiny_size(tmp_path):
-    """bench/extract_bench.py --arch qwen3_5 and bench/load_bench.py, as the GPU parts call them, at a tiny size."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # the two scripts side by side (independent: their own outputs and directories)
-    r, r_load = side_by_side(
-        ([sys.executable, "bench/extract_bench.py", "--tiny", "--device", "cpu", "--tokens", "400", "--encodings",
-          "int5", "--out", str(tmp_path / "x.json")], env),
-        ([sys.executable, "bench/load_bench.py", "--tiny", "--device", "cpu", "--layers", "4", "--dir",
-          str(tmp_path / "ckpt"), "--out", str(tmp_path / "l.json")], env))
-    assert r.returncode == 0, r.stderr[-3000:]
-    x = json.loads((tmp_path / "x.json").read_text())
+    """The extract35 and load35 parts (bench/extract_bench.py --arch qwen3_5, bench/load_bench.py) as `bash
+    bench/device_run.sh smoke` runs them, at their tiny size (tests/test_bench_parts.py leaves them to this test)."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "bench.parts", "run", "--tiny", "extract35", "load35"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=HANG_S,
+                       env={**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    x = json.loads((out / "extract35.json").read_text())
     assert x["arch"] == "qwen3_5" and x["layers_built"] == 6 and x["layer_ids"] == [1, 2, 3, 4, 5]
     assert x["kernels"]["chunk_gated_delta_rule"].startswith("transformers.")  # no fla on this machine
     assert x["forward"].startswith("target forward: transformers' reference (CPU")  # the fast forward is CUDA-only
-    assert x["encodings"]["int5"]["ratio_vs_bare"] > 0 and "extract_meets_goal" in x["goals"]
-    assert "goals (one H200)" in r.stdout and "CPU: transformers' torch reference paths" in r.stdout
-    r = r_load
-    assert r.returncode == 0, r.stderr[-3000:]
-    loads = json.loads((tmp_path / "l.json").read_text())["loads"]
+    assert all(x["encodings"][e]["ratio_vs_bare"] > 0 for e in ("int5", "fp8", "bf16"))
+    assert "extract_meets_goal" in x["goals"]
+    log = (out / "extract35.log").read_text()
+    assert "goals (one H200)" in log and "CPU: transformers' torch reference paths" in log
+    loads = json.loads((out / "load35.json").read_text())["loads"]
     assert loads["dflash"]["layers"] == loads["old"]["layers"] == 4

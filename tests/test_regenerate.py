@@ -352,15 +352,17 @@ def test_shipped_configs_show_regenerate_before_extract():
 
 @pytest.mark.slow
 def test_regen_bench_runs_at_a_tiny_size(tmp_path):
-    """bench/regen_bench.py (the GPU throughput run) on the CPU at a tiny size, so it does not crash on the GPU."""
-    out = tmp_path / "regen.json"
-    r = subprocess.run([sys.executable, "bench/regen_bench.py", "--tiny", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=HANG_S, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
-    assert res["batched"]["prompts"] == 8 and res["loop"]["prompts"] == 2 and res["new_tokens"] == 16
+    """The regen part (bench/regen_bench.py, the GPU throughput run) as `bash bench/device_run.sh smoke` runs it, at
+    its tiny size on the CPU, so it does not crash on the GPU (tests/test_bench_parts.py leaves it to this test)."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "bench.parts", "run", "--tiny", "regen"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=HANG_S, env={**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "regen.json").read_text())
+    assert res["batched"]["prompts"] == 4 and res["loop"]["prompts"] == 2 and res["new_tokens"] == 8
     assert res["batched"]["tok_s"] > 0 and res["loop"]["tok_s"] > 0 and res["speedup"] > 0
-    assert "linear attention via" in r.stdout and "batched / loop" in r.stdout
+    log = (out / "regen.log").read_text()
+    assert "linear attention via" in log and "batched / loop" in log
     if not res["kernels"]["fla"]:  # this machine: the hybrid layers ran on transformers' torch fallbacks
         assert "chunk_gated_delta_rule" in res["torch_fallbacks_called"]
 
