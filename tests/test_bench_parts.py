@@ -37,17 +37,19 @@ DEDICATED = {"fastfwd": "test_fast_forward.py", "long": "test_long_samples.py", 
 SAME_AS = {"gpualone": "gputests", "tau": "tau-start"}
 
 
+def _items(name: str, out: Path, tiny: bool) -> list:
+    """Everything a part's run does, its side-by-side groups flattened: Steps and plain functions."""
+    return [x for s in PARTS[name](Ctx(out, tiny)) for x in (s if isinstance(s, list) else [s])]
+
+
 def steps_of(name: str, out: Path, tiny: bool) -> list[Step]:
-    flat = []
-    for s in PARTS[name](Ctx(out, tiny)):
-        flat += s if isinstance(s, list) else [s] if isinstance(s, Step) else []
-    return flat
+    return [s for s in _items(name, out, tiny) if isinstance(s, Step)]
 
 
 def _collects_only(name: str) -> bool:
     """Whether a part's tiny run is nothing but `pytest ... --collect-only` commands run where they stand (the
     parts that run GPU tests: on a machine without CUDA their tiny size collects what the GPU host runs)."""
-    steps = [x for s in PARTS[name](Ctx(ROOT / "out", True)) for x in (s if isinstance(s, list) else [s])]
+    steps = _items(name, ROOT / "out", True)
     return bool(steps) and all(isinstance(s, Step) and s.argv[1:3] == ["-m", "pytest"] and "--collect-only" in s.argv
                                and not s.env and s.cwd == ROOT and not s.detach and not s.copy for s in steps)
 
@@ -150,8 +152,7 @@ def test_parts_left_out_of_the_generic_run_have_their_own():
     for name, test_file in DEDICATED.items():
         src = (ROOT / "tests" / test_file).read_text()
         assert name in PARTS and '"bench.parts", "run", "--tiny"' in src and f'"{name}"' in src, (name, test_file)
-    generic = {AFTER.get(p, p) for p in PARTS if p not in DEDICATED and p not in SAME_AS} | set(AFTER)
-    assert COLLECT_PARTS and set(COLLECT_PARTS) <= generic
+    generic = {p for p in PARTS if p not in DEDICATED and p not in SAME_AS}  # run here, alone or before another
     for name, other in SAME_AS.items():  # the same command lines, run by the other part's tiny run
         mine, theirs = steps_of(name, ROOT / "out", True), steps_of(other, ROOT / "out", True)
         assert mine and all(s.argv in [_unniced(t.argv) for t in theirs] for s in mine), (name, other)
