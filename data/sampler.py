@@ -253,8 +253,11 @@ class RankBatchSampler(torch.utils.data.Sampler):
 
 def remaining_steps(sampler: RankBatchSampler, epochs: int, accumulate: int, planned: bool = False) -> int:
     """Optimizer steps left: the rest of the upcoming epoch, then whole epochs up to `epochs`. Lightning steps
-    every `accumulate` batches of an epoch (counted from its start) and on its last batch."""
+    every `accumulate` batches of an epoch (counted from its start) and on its last batch. None are left once the
+    last epoch's batches are all done (the sampler has rolled on to an epoch the run does not train)."""
     e, _ = sampler.upcoming()
+    if e >= epochs:
+        return 0
     done, length = sampler.consumed, sampler.epoch_length(e, planned)
     steps = math.ceil(length / accumulate) - done // accumulate if done < length else 0
     return steps + sum(math.ceil(sampler.epoch_length(x, planned) / accumulate) for x in range(e + 1, epochs))

@@ -124,6 +124,23 @@ def test_remaining_steps_follow_lightnings_accumulation_windows():
     assert len(w4) == 2 + 2 and remaining_steps(w4, epochs=3, accumulate=2) == 1 + 2
 
 
+@pytest.mark.parametrize("world, accumulate", [(1, 2), (2, 1), (4, 1)])
+def test_no_steps_remain_after_the_last_epoch_whatever_the_ranks_resuming(world, accumulate):
+    """A checkpoint at the end of the last epoch (a handover at the last step), resumed on 1, 2 or 4 ranks:
+    the sampler rolls on to the next epoch, which the run does not train (it once counted it: "the learning-rate
+    schedule now ends after 4 more steps (step 12, planned 8)", then "training done at step 8")."""
+    lengths = [50] * 32  # 16 global batches of 2
+    s = RankBatchSampler(lengths, 2, rank=0, world_size=1, seed=0, accumulate=2)
+    assert remaining_steps(s, epochs=2, accumulate=2) == 2 * 8
+    s.load_state_dict({"epoch": 1, "batches_done": 16, "global_done": 16, "world_size": 1, "accumulate": 2})
+    assert remaining_steps(s, epochs=2, accumulate=2) == 0
+    for rank in range(world):
+        r = RankBatchSampler(lengths, 2, rank=rank, world_size=world, seed=0, accumulate=accumulate)
+        r.load_state_dict(s.state_dict())
+        assert remaining_steps(r, epochs=2, accumulate=accumulate) == 0
+        assert remaining_steps(r, epochs=3, accumulate=accumulate) == -(-16 // (world * accumulate))  # one more
+
+
 def test_warmup_cosine_replan_keeps_the_rate_continuous():
     from stages.train_task import WarmupCosine
 
