@@ -150,6 +150,9 @@ def run_node(cfg: Config, *, config_path: Optional[str], overrides: list[str], e
     end = node.start()
     if plan.expanding and not end.stops and end.codes.get("train") == ExitCode.STOPPED and node.handover.stopped():
         end = node.expand()
+    elif plan.expanding and node.handover.requested_at is not None and end.codes.get("train") == 0:
+        say(f"\nrun: the training was at its last step when asked, so it finished on "
+            f"{where(plan.t_gpus, plan.t_cpus)} (no handover)")
     say(("\n" if node.tty else "") + status_line(plan.store_path, plan.run_dir))
     return _report(end, plan.store_path, plan.run_dir, command, say)
 

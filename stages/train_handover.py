@@ -12,6 +12,10 @@ Contract:
   stop the way Ctrl-C stops them (stages/train_stop.py: StopRequest, exit 130, the resume hint). On a GPU the
   weights and optimizer state are dropped first (the checkpoint holds them), as at the end of a fit
   (stages/progress.FinalCheckpoint): Lightning's teardown would copy them to host memory before the exit.
+- A request met at the run's last optimizer step (the data plan leaves no step: DrafterTask.remaining_steps) is
+  declined: the training finishes where it is (final checkpoint, export) and exits 0, instead of stopping only for
+  more ranks to start, write that checkpoint and export. Each rank decides from its own plan (no collective);
+  if any rank still has steps, all hand over.
 - The relaunched training's rank 0 writes handover-first-step.json (the time and the step) at the end of its
   first optimizer step.
 - Tests only: DFLASH_TEST_HANDOVER_AT=N makes the handover step N whenever the extraction ends (a request before
@@ -36,7 +40,7 @@ from stages.run_expand import ENV_AT, ENV_DIR, ENV_FIRST, REQUEST, STOPPED, hold
 class HandoverCallback(L.Callback):
     def __init__(self, logs: Path, expanding: bool, first_step: Optional[Path]):
         self.logs, self.expanding, self.first_step = logs, expanding, first_step
-        self.seen_step, self.group = None, None
+        self.seen_step, self.group, self.declined = None, None, False
         self.test_at = int(os.environ[ENV_AT]) if os.environ.get(ENV_AT) else None  # tests only (module contract)
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -57,16 +61,23 @@ class HandoverCallback(L.Callback):
             if trainer.is_global_zero:
                 write_json(self.first_step, {"time": time.time(), "step": trainer.global_step})
             self.first_step = None
-        if self.expanding and self._asked(trainer):
+        if self.expanding and self._asked(trainer, pl_module):
             self._hand_over(trainer, pl_module)
 
-    def _asked(self, trainer) -> bool:
+    def _asked(self, trainer, pl_module) -> bool:
+        """Whether every rank hands over at this step: asked, and not at the run's last step (module contract)."""
         asked = (self.logs / REQUEST).exists()
         if self.test_at is not None:  # tests: exactly at step test_at (see the module contract)
             while trainer.global_step == self.test_at and not asked:
                 time.sleep(0.05)
                 asked = (self.logs / REQUEST).exists()
             asked = asked and trainer.global_step >= self.test_at
+        if asked and pl_module.remaining_steps() == 0:
+            asked = False
+            if trainer.is_global_zero and not self.declined:
+                print(f"train: asked to hand over at step {trainer.global_step}, the run's last: finishing here "
+                      "(final checkpoint and export) instead of restarting on more GPUs", file=sys.stderr, flush=True)
+            self.declined = True
         if trainer.world_size == 1:
             return asked
         import torch.distributed as dist

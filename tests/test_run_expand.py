@@ -25,7 +25,7 @@ from pipeline.ckpt_io import load_training_checkpoint
 
 # Every expanding run hands over at step 2 (stages/run_expand.ENV_AT): a tiny run's steps take about a second in
 # all, less than the extraction process takes to exit after its last commit, and a run whose store was complete
-# before its first step handed over at its last step, with no step left for two ranks.
+# before its first step would reach its last step, where a request is declined (no step is left for two ranks).
 HANDOVER_AT = 2
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DFLASH_SAMPLE_LOG": "1", "DFLASH_TEST_HANDOVER_AT": str(HANDOVER_AT)}
 SETS = ["data.max_samples=32", "extract.shards=1", "extract.token_budget=512", "train.epochs=2", "train.num_anchors=8",
@@ -71,8 +71,8 @@ def _trained_steps(run: Path) -> dict[int, list[list[int]]]:
 
 def _two_ranks_from(run: Path) -> int:
     """The first step the run trained on two ranks (its handover step; 0 when it trained on two from its start;
-    its last step when rank 1 trained none: one rank trained both epochs before the handover's request came, so
-    it handed over at the last step, as a kill test's first run did once its steps took 0.1 s)."""
+    its last step when rank 1 trained none: one rank trained both epochs before the handover's request came, and
+    a request at the last step is declined)."""
     path = run / "logs" / "samples-rank1.jsonl"
     if not path.exists():
         return _weights(run)["global_step"]
@@ -127,6 +127,24 @@ def test_run_expands_to_the_extraction_devices_and_trains_an_unexpanded_runs_ste
     assert step == HANDOVER_AT < len(expected) and sorted(before) == list(range(step))
     after = {s: b for s, b in _steps(run, [0, 1]).items() if s >= step}
     assert {**before, **after} == expected
+
+
+@pytest.mark.slow
+def test_a_run_asked_to_hand_over_at_its_last_step_finishes_on_its_own_devices(tmp_path):
+    """The request met the training at its last step (DFLASH_TEST_HANDOVER_AT=4 of 4): the training finishes and
+    exports where it is, no second training starts, `dflash run` exits 0 and records no handover."""
+    store, run = tmp_path / "store.zarr", tmp_path / "run"
+    r = _run(_cmd(store, run, "--set", "train.epochs=1"), env={**ENV, "DFLASH_TEST_HANDOVER_AT": "4"})
+    assert "run: extraction finished; training checkpoints at its next optimizer step" in r.stderr
+    assert "run: the training was at its last step when asked, so it finished on 1 CPU process(es) (no handover)" \
+        in r.stderr and "run: done: store" in r.stderr and "expanded training" not in r.stderr
+    train_log = (run / "logs" / "run-train.log").read_text()
+    assert [x for x in train_log.splitlines() if x.startswith("=== ")][0].endswith("--devices 1 --follow")
+    assert len([x for x in train_log.splitlines() if x.startswith("=== ")]) == 1, train_log[-3000:]
+    assert "train: asked to hand over at step 4, the run's last: finishing here" in train_log
+    assert "handing over" not in train_log and "Traceback" not in train_log
+    assert not (run / "logs" / "handover.jsonl").exists() and not (run / "logs" / "handover-stopped.json").exists()
+    assert _weights(run)["global_step"] == 4 and (run / "export" / "config.json").is_file()
 
 
 def _kill_at(phase: str, store: Path, run: Path) -> None:
@@ -237,6 +255,30 @@ def test_the_handover_figures_come_from_the_protocol_files(tmp_path, monkeypatch
     monkeypatch.setenv("DFLASH_HANDOVER_DIR", str(tmp_path))
     cb = handover_callback(tmp_path)
     assert cb.expanding and cb.first_step is None and cb.logs == tmp_path / "logs"
+
+
+def test_a_request_at_the_runs_last_step_is_declined_and_the_training_finishes_there(tmp_path, monkeypatch, capsys):
+    """A store complete before the training's last step asks for the handover there: relaunching on more ranks
+    would only write the final checkpoint and export, so the training finishes where it is (one line says so,
+    once); one step earlier, or with max_steps' cap not yet met, it hands over. No request: nothing to decline."""
+    from types import SimpleNamespace
+
+    from stages.run_expand import REQUEST, write_json
+    from stages.train_handover import HandoverCallback
+
+    monkeypatch.delenv("DFLASH_TEST_HANDOVER_AT", raising=False)
+    cb = HandoverCallback(tmp_path, expanding=True, first_step=None)
+    trainer = SimpleNamespace(global_step=8, world_size=1, is_global_zero=True)
+    left = {"n": 0}
+    task = SimpleNamespace(remaining_steps=lambda: left["n"])
+    assert not cb._asked(trainer, task) and capsys.readouterr().err == ""  # not asked
+    write_json(tmp_path / REQUEST, {"requested_at": time.time(), "reason": "extraction finished"})
+    assert not cb._asked(trainer, task) and not cb._asked(trainer, task)
+    assert capsys.readouterr().err == ("train: asked to hand over at step 8, the run's last: finishing here (final "
+                                       "checkpoint and export) instead of restarting on more GPUs\n")
+    for n in (1, None):  # steps left, or no data plan to tell (no sampler): hand over
+        left["n"] = n
+        assert cb._asked(trainer, task)
 
 
 HANDOVER_TEST = "test_handover_bench_part_prints_the_three_figures_at_its_tiny_size"
