@@ -45,9 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline import store as st  # noqa: E402
-from pipeline.provenance import create_or_open_store  # noqa: E402
 from pipeline.encoding import encode  # noqa: E402
+from pipeline.provenance import create_or_open_store  # noqa: E402
 from pipeline.provenance import write_frozen_head  # noqa: E402
+from pipeline.store_writer import ShardWriter  # noqa: E402
 
 
 def build_target(a, device: torch.device):
@@ -103,7 +104,7 @@ def random_store(path: Path, a, n: int, head: Path, device: torch.device) -> Non
     shutil.rmtree(path, ignore_errors=True)
     prov = provenance(a, n)
     create_or_open_store(str(path), prov)
-    w = st.ShardWriter(str(path), 0, prov)
+    w = ShardWriter(str(path), 0, prov)
     w.start("random", n, n * a.seq, validation_batches=0)
     g = np.random.default_rng(1)
     for i in range(n):
@@ -225,7 +226,7 @@ def main() -> None:
     planned = 1_000_000
     prov = provenance(a, planned)
     create_or_open_store(str(store), prov)
-    writer = st.ShardWriter(str(store), 0, prov)
+    writer = ShardWriter(str(store), 0, prov)
     writer.start("bench", planned, planned * a.seq, validation_batches=0)
     write_frozen_head(str(store), head.read_bytes())
     commits: list[tuple[float, int]] = []  # (time, tokens) per committed batch

@@ -125,6 +125,7 @@ def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_leng
     for a writer opened elsewhere)."""
     from pipeline import store as st
     from pipeline.provenance import create_or_open_store
+    from pipeline.store_writer import ShardWriter
 
     path = os.path.join(root, f"{enc}.zarr")
     shutil.rmtree(path, ignore_errors=True)
@@ -134,7 +135,7 @@ def bench_store(root: str, enc: str, cfg, layer_ids: list, clevel: int, max_leng
             "layer_ids": layer_ids, "hidden_size": hidden, "encoding": enc, "chunk_tokens": 256, "clevel": clevel,
             "num_shards": 1, "dataset": {"fingerprint": "bench"}, "max_length": max_length}
     create_or_open_store(path, prov)
-    return (path, st.ShardWriter(path, 0, prov)) if writer else (path, prov)
+    return (path, ShardWriter(path, 0, prov)) if writer else (path, prov)
 
 
 def timed_extract(model, layer_ids: list, enc: str, dev: torch.device, batches, on_batch, sync) -> tuple:

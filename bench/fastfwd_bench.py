@@ -207,9 +207,9 @@ def extraction(a, model, layer_ids, cfg, batches, dev, sync, one) -> dict:
 
     def run(enc, which, variant="thread"):  # one pipelined_extract run into a fresh store
         path, prov = bench_store(root, enc, cfg, layer_ids, 1, a.seq, writer=False)
-        from pipeline import store as st
+        from pipeline.store_writer import ShardWriter
 
-        writer = st.ShardWriter(path, 0, prov)
+        writer = ShardWriter(path, 0, prov)
 
         def write(n, parts):
             T = parts["features"].shape[0]

@@ -54,13 +54,13 @@ def _features(tokens: int, layers: int, hidden: int, seed: int = 0) -> np.ndarra
 
 def _writer(root: str, layers: int, hidden: int, clevel: int):
     from bench.store_bench import provenance
-    from pipeline import store as st
     from pipeline.provenance import create_or_open_store
+    from pipeline.store_writer import ShardWriter
 
     path = str(Path(root) / "s.zarr")
     prov = {**provenance("bf16", layers, hidden), "clevel": clevel, "chunk_tokens": 1024}
     create_or_open_store(path, prov)
-    w = st.ShardWriter(path, 0, prov)
+    w = ShardWriter(path, 0, prov)
     w.start("bench", 1 << 30, 1 << 40)
     return w
 

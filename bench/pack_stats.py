@@ -33,8 +33,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.store:
         from pipeline import store as st
+        from pipeline.store_reader import StoreReader
 
-        r = st.StoreReader(a.store)
+        r = StoreReader(a.store)
         lengths = [x.length for x in r.samples if x.split == st.SPLITS["train"]]
     else:
         from bench.train_e2e import mix_lengths

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import store as st  # noqa: E402
+from pipeline.store_reader import StoreReader  # noqa: E402
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("store")
     ap.add_argument("--samples", type=int, default=400)
     a = ap.parse_args()
-    reader = st.StoreReader(a.store)
+    reader = StoreReader(a.store)
     n = min(a.samples, len(reader.samples) - 20)
     for i in range(20):  # warm-up: page cache, first opens
         reader.read(i)

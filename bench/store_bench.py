@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 from pipeline import store as st
-from pipeline.provenance import create_or_open_store
 from pipeline.encoding import encode, raw_bytes_per_token
+from pipeline.provenance import create_or_open_store
+from pipeline.store_reader import StoreReader
+from pipeline.store_writer import ShardWriter
 
 
 def synthetic(tokens: int, L: int, H: int, g: torch.Generator) -> torch.Tensor:
@@ -55,7 +57,7 @@ def write_store(path: Path, enc: str, samples: list, L: int, H: int) -> float:
     shutil.rmtree(path, ignore_errors=True)
     prov = provenance(enc, L, H)
     create_or_open_store(str(path), prov)
-    w = st.ShardWriter(str(path), 0, prov)
+    w = ShardWriter(str(path), 0, prov)
     w.start("bench", len(samples), sum(len(t) for t, _ in samples))
     t0 = time.perf_counter()
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # extraction encodes on the GPU
@@ -92,7 +94,7 @@ def formats(a, root: Path, samples: list, L: int, H: int) -> dict:
         path = root / f"{enc}.zarr"
         w_s = write_store(path, enc, samples, L, H)
         drop_cache(path)
-        reader = st.StoreReader(str(path))
+        reader = StoreReader(str(path))
         t0 = time.perf_counter()
         from pipeline.encoding import decode, from_storage
 
@@ -133,7 +135,7 @@ def loader(a, root: Path, L: int, H: int) -> dict:
     from data.store_dataset import RankBatchSampler, StoreDataset, collate, worker_init
 
     path = str(root / f"{a.loader_encoding}.zarr")
-    reader = st.StoreReader(path)
+    reader = StoreReader(path)
     idx = list(range(len(reader.samples)))
     lengths = [reader.samples[i].length for i in idx]
     out = {}
@@ -173,7 +175,7 @@ def startup(a, root: Path) -> dict:
     shutil.rmtree(path, ignore_errors=True)
     prov = provenance("bf16", L, H)
     create_or_open_store(str(path), prov)
-    w = st.ShardWriter(str(path), 0, prov)
+    w = ShardWriter(str(path), 0, prov)
     w.start("bench", n, n * T)
     per = 2000
     t0 = time.perf_counter()
@@ -195,7 +197,7 @@ def startup(a, root: Path) -> dict:
     drop_cache(path)
     drop_cache(pt)
     t0 = time.perf_counter()
-    reader = st.StoreReader(str(path))
+    reader = StoreReader(str(path))
     ds = StoreDataset(str(path), list(range(len(reader.samples))), 64, 0)
     collate([ds[i] for i in range(8)])
     dflash_s = time.perf_counter() - t0

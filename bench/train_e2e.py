@@ -49,9 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.store_bench import provenance  # noqa: E402
-from pipeline import store as st  # noqa: E402
-from pipeline.provenance import create_or_open_store  # noqa: E402
 from pipeline.encoding import encode  # noqa: E402
+from pipeline.provenance import create_or_open_store  # noqa: E402
+from pipeline.store_writer import ShardWriter  # noqa: E402
 from stages.train_startup import read_phase_text  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,7 +90,7 @@ def build_store(path: Path, samples: int, seq: int, enc: str, layers: list[int],
     prov = provenance(enc, len(layers), H)
     prov["layer_ids"], prov["target"]["vocab_size"] = layers, vocab
     create_or_open_store(str(path), prov)
-    w = st.ShardWriter(str(path), 0, prov)
+    w = ShardWriter(str(path), 0, prov)
     w.start("e2e", samples, sum(lengths))
     g = torch.Generator(device=DEV).manual_seed(0)
     scale = torch.exp(torch.randn(len(layers), H, device=DEV, generator=g) * 0.7)
@@ -116,8 +116,8 @@ def flops_per_sample(config: str, layers: list[int], vocab: int, seq: int) -> fl
     """Useful FLOPs of one training sample of this store (train_bench's count for the config's drafter)."""
     from bench.train_bench import useful_flops
     from pipeline.config import load_config
-    from pipeline.train_step import build_drafter
     from pipeline.masks import build_blocks, dense_mask, sample_anchors
+    from pipeline.train_step import build_drafter
 
     cfg = load_config(config)
     d = cfg.drafter

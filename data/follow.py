@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 from pipeline import store as st
+from pipeline.store_reader import SampleRef, committed_refs
 
 WAIT_FIRST_REPORT_S, WAIT_REPORT_S = 5.0, 30.0  # short waits at the frontier stay quiet
 
@@ -70,9 +71,9 @@ class GrowingStore:
         S, N = int(self.attrs["num_shards"]), int(ds["samples"])
         self.planned = N - int(ds.get("validation_samples", 0))  # training samples the store will hold
         self.planned_rows = [len(st.shard_rows(range(N), i, S)) for i in range(S)]  # shard i's samples
-        self.rows: list[list[st.SampleRef]] = [[] for _ in range(S)]
+        self.rows: list[list[SampleRef]] = [[] for _ in range(S)]
         self.progress: list[Optional[st.Progress]] = [None] * S
-        self.stream: list[st.SampleRef] = []  # training samples in stream order
+        self.stream: list[SampleRef] = []  # training samples in stream order
         self._next = [0] * S  # per shard: the next row to merge into the stream
         self._heap = [(self._key(i, 0), i) for i in range(S) if self.planned_rows[i]]
         self.blocked: Optional[int] = None  # the shard holding the stream up
@@ -94,7 +95,7 @@ class GrowingStore:
         for i, p in enumerate(self.progress):
             if p is not None and p.done:
                 continue
-            prog, refs = st.committed_refs(self.path, i, len(self.rows[i]))
+            prog, refs = committed_refs(self.path, i, len(self.rows[i]))
             grew |= bool(refs) or (prog is not None and (p is None or prog.done != p.done))
             self.progress[i] = prog
             self.rows[i] += refs
@@ -121,13 +122,13 @@ class GrowingStore:
             heapq.heappush(self._heap, (self._key(i, k + 1), i))
 
     # -- what the sampler asks -----------------------------------------------------------------------------
-    def stream_batch(self, g: int, batch_size: int, round_end: int) -> list[st.SampleRef]:
+    def stream_batch(self, g: int, batch_size: int, round_end: int) -> list[SampleRef]:
         """Global batch g of the stream (samples [g B, (g + 1) B)), once the stream holds the whole round up to
         global batch `round_end` or is complete; [] past the stream's end."""
         self.wait_for(min(round_end * batch_size, self.planned))
         return self.stream[g * batch_size : (g + 1) * batch_size]
 
-    def mixed_batch(self, g: int, size: int, round_end: int, buffer: int, seed: int, epoch: int) -> list[st.SampleRef]:
+    def mixed_batch(self, g: int, size: int, round_end: int, buffer: int, seed: int, epoch: int) -> list[SampleRef]:
         """Global batch g of a stream epoch with a shuffle buffer: batch k draws `size` samples at random from the
         stream's first (k + 1) size + buffer samples not drawn before (all of them once the stream is complete).
         Every sample once; what a batch holds depends only on the stream and (seed, epoch, k), not on timing.
@@ -152,7 +153,7 @@ class GrowingStore:
         self._mix[1:3] = [k, added]
         return [self.stream[p] for p in sorted(out)]  # in stream order within the batch
 
-    def resolve(self, slot: StreamSlot, seed: int = 0, epoch: int = 0) -> tuple[Optional[st.SampleRef], bool]:
+    def resolve(self, slot: StreamSlot, seed: int = 0, epoch: int = 0) -> tuple[Optional[SampleRef], bool]:
         """(sample, filler) at a stream slot, once its round is readable: (None, False) past a short last batch;
         the shortest sample as a filler for the first slot of a batch past the stream's end."""
         batch = self.mixed_batch(slot.g, slot.size, slot.round_end, slot.buffer, seed, epoch)
@@ -160,7 +161,7 @@ class GrowingStore:
             return batch[slot.j], False
         return (self.filler(), True) if not batch and slot.j == 0 else (None, False)
 
-    def all(self) -> tuple[list[st.SampleRef], list[int]]:
+    def all(self) -> tuple[list[SampleRef], list[int]]:
         """The finished store's training samples, ordered by sample id (as a run on a finished store has them);
         waits for the last shards to mark themselves done (an epoch after the stream's)."""
         if self._final is None:
@@ -169,7 +170,7 @@ class GrowingStore:
             self._final = (refs, [r.length for r in refs])
         return self._final
 
-    def filler(self) -> st.SampleRef:
+    def filler(self) -> SampleRef:
         refs, lengths = self.all()  # fillers only come after the stream's end: the store is finished then
         return refs[min(range(len(refs)), key=lambda i: lengths[i])]
 
@@ -187,7 +188,7 @@ class GrowingStore:
                 return False
         return True
 
-    def validation(self) -> list[st.SampleRef]:
+    def validation(self) -> list[SampleRef]:
         code = st.SPLITS["validation"]
         return sorted((r for rows in self.rows for r in rows if r.split == code), key=lambda r: r.sample_id)
 

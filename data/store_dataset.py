@@ -34,7 +34,7 @@ from data.sampler import FixedSamples, RankBatchSampler  # noqa: F401 - re-expor
 from pipeline.encoding import from_storage, part_names
 from pipeline.lifecycle import watch_parent
 from pipeline.masks import sample_anchors
-from pipeline.store import SampleRef, StoreReader
+from pipeline.store_reader import SampleRef, StoreReader
 
 
 class StoreDataset(torch.utils.data.Dataset):

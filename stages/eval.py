@@ -53,6 +53,7 @@ from pipeline.config import Config, resolve_config
 from pipeline.drafter import draft_blocks
 from pipeline.encoding import decode, from_storage, part_names
 from pipeline.masks import anchor_candidates
+from pipeline.store_reader import StoreReader
 from stages import eval_phases
 from stages.eval_online import run_online
 
@@ -225,7 +226,7 @@ def offline_eval(drafter: nn.Module, samples: Iterable[dict], embed_weight: Tens
     return out
 
 
-def store_samples(reader: st.StoreReader, indices: list[int], device: torch.device, dtype: torch.dtype):
+def store_samples(reader: StoreReader, indices: list[int], device: torch.device, dtype: torch.dtype):
     for i in indices:
         s = reader.read(i)
         parts = {k: from_storage(s[k]).to(device) for k in part_names(reader.encoding)}
@@ -246,7 +247,7 @@ def load_store_head(store_path: str, device, dtype) -> tuple[Tensor, Tensor]:
 
 def run_offline(drafter: nn.Module, store_path: str, max_anchors: int, device: torch.device,
                 dtype: torch.dtype = torch.float32, max_samples: Optional[int] = None) -> dict:
-    reader = st.StoreReader(store_path)
+    reader = StoreReader(store_path)
     arch = drafter.arch
     drafter = drafter.to(device=device, dtype=dtype)
     if list(reader.layer_ids) != list(arch.target_layer_ids):

@@ -34,6 +34,7 @@ import torch
 from pipeline import store as st
 from pipeline.config import Config
 from pipeline.lifecycle import ExitCode, StopFlag, die_with_parent
+from pipeline.store_writer import ShardWriter
 from pipeline.target import DTYPES, FeatureCapture, frozen_head_from_checkpoint, load_target, load_tokenizer
 from stages.extract_loop import pipelined_extract
 
@@ -120,7 +121,7 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, l
     ids = [s.sample_id for s in mine]
     plan, val_batches = extraction_plan(lengths, [s.split == "validation" for s in mine], cfg.extract.token_budget,
                                         cfg.extract.max_batch_size)
-    writer = st.ShardWriter(store_path, shard_index, root_attrs, lock_token=lock_token)
+    writer = ShardWriter(store_path, shard_index, root_attrs, lock_token=lock_token)
     try:
         if writer.removed_partials:
             print(f"shard {shard_index}: removed {writer.removed_partials} stale temporary file(s) (*.partial) "
@@ -135,7 +136,7 @@ def run_shard(cfg: Config, shard_index: int, num_shards: int, store_path: str, l
         writer.close()
 
 
-def _extract(cfg: Config, writer: st.ShardWriter, plan: list[Batch], val_batches: int, mine, lengths: list[int],
+def _extract(cfg: Config, writer: ShardWriter, plan: list[Batch], val_batches: int, mine, lengths: list[int],
              tokenizer, stop: StopFlag, root_attrs: dict) -> int:
     """The conductor of one shard's extraction, its phases in order: start (or resume) the shard's progress, load
     the target (`_load_target`), write a missing frozen head (`_write_frozen_head`), run the loop over the batches
@@ -228,7 +229,7 @@ def _batches(*, plan: list[Batch], prog, mine, lengths: list[int], pad_id: int, 
         yield members, ids, [lengths[m] for m in members]
 
 
-def _committer(*, writer: st.ShardWriter, mine, lengths: list[int], report):
+def _committer(*, writer: ShardWriter, mine, lengths: list[int], report):
     """-> on_batch(members, parts, bad) for the loop's writer thread: write and commit a batch's finite samples
     (their ids, splits, lengths, tokens, loss masks and feature parts; the skipped ones counted), then report."""
     def on_batch(members, parts, bad):
@@ -262,7 +263,7 @@ def _run_loop(*, cfg: Config, model, capture: FeatureCapture, encoding: str, dev
         capture.remove()
 
 
-def _finish(*, cfg: Config, writer: st.ShardWriter, stop: StopFlag, shard_index: int, report) -> int:
+def _finish(*, cfg: Config, writer: ShardWriter, stop: StopFlag, shard_index: int, report) -> int:
     """After the loop: a stopped shard says so and exits WORKER_STOPPED; otherwise, unless it committed nothing
     (`_refuse_an_empty_shard`), it is marked finished, reported and done (0)."""
     if stop.stop:

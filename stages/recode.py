@@ -25,6 +25,8 @@ import torch
 from pipeline import provenance as prov
 from pipeline import store as st
 from pipeline.encoding import check, decode, encode, from_storage, part_names, to_storage
+from pipeline.store_reader import StoreReader
+from pipeline.store_writer import ShardWriter
 
 
 def _log(msg: str) -> None:
@@ -42,7 +44,7 @@ def run_recode(src: str, *, dst: str, encoding: str, clevel: Optional[int] = Non
         check(encoding, int(attrs["hidden_size"]))
     except ValueError as e:
         raise st.StoreError(f"--encoding: {e}") from None
-    reader = st.StoreReader(src, require_complete=False)
+    reader = StoreReader(src, require_complete=False)
     unfinished = [i for i, p in reader.progress.items() if not p.done]
     if unfinished:
         raise st.StoreError(f"{src} is not complete (shard(s) {unfinished} unfinished); finish it with `dflash "
@@ -67,7 +69,7 @@ def run_recode(src: str, *, dst: str, encoding: str, clevel: Optional[int] = Non
         cols = reader.columns(i)
         starts, lengths, ids, splits = (cols[k] for k in ("sample_start", "sample_length", "sample_id", "split"))
         batches = _plan(lengths, batch_tokens)
-        with st.ShardWriter(dst, i, stored) as writer:
+        with ShardWriter(dst, i, stored) as writer:
             w = writer.start(f"recode:{attrs['encoding']}:{batch_tokens}:{n}", n, prog.committed_tokens)
             done_tokens += w.committed_tokens
             if w.done:

@@ -28,6 +28,7 @@ from pipeline import store as st
 from pipeline.config import Config, anchors_per_token, pack_tokens
 from pipeline.errors import UserError
 from pipeline.provenance import config_differences, start_frozen_head_check
+from pipeline.store_reader import StoreReader
 
 
 class TrainError(UserError, RuntimeError):
@@ -154,7 +155,7 @@ def open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optiona
     if committed_only and follow:
         raise TrainError("--committed-only trains on the samples committed now and --follow waits for more: pass one")
     if unfinished and committed_only:
-        reader = st.StoreReader(store_path, require_complete=False)
+        reader = StoreReader(store_path, require_complete=False)
         if launcher:
             print(f"train: --committed-only: training on the {len(reader.samples)} samples committed to {store_path} "
                   f"(shard(s) {unfinished} not finished), as on a finished store", file=sys.stderr, flush=True)
@@ -174,7 +175,7 @@ def open_store(cfg: Config, store_path: str, follow: bool, resume_state: Optiona
         if not st.exists(head):
             raise TrainError(f"{head} is missing: the store is incomplete; resume `dflash extract` to write it")
         head_check = start_frozen_head_check(store_path, to=head_to)  # a changed or damaged head stops before fit
-        return attrs, st.StoreReader(store_path), stream_epochs, head_check
+        return attrs, StoreReader(store_path), stream_epochs, head_check
     head_check = start_frozen_head_check(store_path, to=head_to)  # written (checksum first) before any shard's first batch
     head_check()  # at once: a following run may wait long for samples, and a bad head must not wait with it
     t = cfg.train

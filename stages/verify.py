@@ -23,6 +23,7 @@ from pipeline import store as st
 from pipeline.encoding import decode, from_storage, part_names
 from pipeline.provenance import frozen_head_problem
 from pipeline.store_lock import holder
+from pipeline.store_reader import chunk_exists, decode_error, samples_in_rows
 from stages.inspect import _attrs
 
 
@@ -122,7 +123,7 @@ def _absent_chunks(*, path: str, i: int, p: st.Progress, arrays: dict, token_arr
     for k, a in arrays.items():
         rows = T if k in token_arrays else n
         for c in range(math.ceil(rows / a.chunks[0])):
-            if not st.chunk_exists(path, i, k, a, c):
+            if not chunk_exists(path, i, k, a, c):
                 absent.add((k, c))
     legacy_zero = sorted({k for k, c in absent if k in st.MAYBE_EMPTY and not p.every_chunk})
     if legacy_zero:
@@ -144,7 +145,7 @@ class _ShardReader:
     def damage(self, k: str, c: int, what: str) -> None:
         """Append the problem of chunk c of array k: `what` is wrong with it."""
         R = self.arrays[k].chunks[0]
-        samples = st.samples_in_rows(self.cols, k, c * R, (c + 1) * R, self.T if k in self.token_arrays else self.n)
+        samples = samples_in_rows(self.cols, k, c * R, (c + 1) * R, self.T if k in self.token_arrays else self.n)
         self.problems.append(f"shard {self.i}: array {k}, chunk {c} (rows {c * R}..{(c + 1) * R - 1}) {what}; "
                              f"it holds {samples}")
 
@@ -162,7 +163,7 @@ class _ShardReader:
                 try:
                     a[c * R : min((c + 1) * R, r1)]
                 except Exception as e:  # noqa: BLE001 - crc32c mismatch, damaged file
-                    self.damage(k, c, f"cannot be decoded ({st.decode_error(e)})")
+                    self.damage(k, c, f"cannot be decoded ({decode_error(e)})")
             return None
         return None if missing else data
 

@@ -7,8 +7,9 @@ import numpy as np
 import torch
 
 from pipeline import store as st
-from pipeline.provenance import create_or_open_store
 from pipeline.encoding import encode
+from pipeline.provenance import create_or_open_store
+from pipeline.store_writer import ShardWriter
 
 
 def synthetic_provenance(hidden: int = 64, chunk_tokens: int = 64, max_length: int = 256,
@@ -26,7 +27,7 @@ def synthetic_store(path: str, lengths: list[int], prompt, hidden: int = 64, chu
     unlabelled (prompt: a function of the length). Features are seeded random, encoded int5."""
     prov = synthetic_provenance(hidden, chunk_tokens, max_length)
     create_or_open_store(path, prov)
-    w = st.ShardWriter(path, 0, prov)
+    w = ShardWriter(path, 0, prov)
     w.start("plan", len(lengths), sum(lengths))
     g = torch.Generator().manual_seed(seed)
     for i, n in enumerate(lengths):

@@ -69,7 +69,7 @@ def test_config_keys_are_validated_and_default_rate_follows_max_length(tmp_path)
 
 
 def test_training_loader_uses_the_rule(small_store):  # noqa: F811
-    from pipeline.store import StoreReader
+    from pipeline.store_reader import StoreReader
     from stages.train import _dataloaders
 
     path, lengths = small_store

@@ -17,9 +17,11 @@ import torch
 import zarr
 
 from pipeline import store as st
-from pipeline.provenance import create_or_open_store
 from pipeline.config import load_config
 from pipeline.encoding import decode, from_storage
+from pipeline.provenance import create_or_open_store
+from pipeline.store_reader import StoreReader
+from pipeline.store_writer import ShardWriter
 from pipeline.target import FeatureCapture, capture_features, load_target, truncate_layers
 
 from helpers_cli import HANG_S, TINY_STORE_OPTS, dflash  # noqa: E402
@@ -60,7 +62,7 @@ def test_two_shards_store_is_complete_and_valid(two_shard_store, tiny_store_copy
     assert load_config(str(logs / "extract-config.yaml")).data.max_samples == 240
     for i in range(2):
         assert f"--samples {logs}/extract-samples-{i:05d}.npz" in (logs / f"extract-shard-{i:05d}.log").read_text()
-    reader = st.StoreReader(two_shard_store)
+    reader = StoreReader(two_shard_store)
     assert len(reader.samples) == 240
     assert len({s.sample_id for s in reader.samples}) == 240
     assert {s.shard for s in reader.samples} == {0, 1}
@@ -74,7 +76,7 @@ def test_two_shards_store_is_complete_and_valid(two_shard_store, tiny_store_copy
 
 def test_features_equal_reference_forward(two_shard_store):
     cfg = load_config(TINY)
-    reader = st.StoreReader(two_shard_store)
+    reader = StoreReader(two_shard_store)
     model = load_target(cfg.target.path, torch.float32, torch.device("cpu"))
     for index in (0, 57):
         s = reader.read(index)
@@ -141,7 +143,7 @@ print(json.dumps({{'n': n, 'len': length}}))
 
 
 def _store_content(path):
-    reader = st.StoreReader(path)
+    reader = StoreReader(path)
     out = {}
     for i, ref in enumerate(reader.samples):
         s = reader.read(i)
@@ -303,7 +305,7 @@ def test_nonfinite_samples_are_skipped_and_counted(tmp_path, monkeypatch):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    reader = st.StoreReader(store)
+    reader = StoreReader(store)
     skipped = reader.progress[0].nonfinite_skipped
     assert skipped >= 1 and len(reader.samples) == 20 - skipped
 
@@ -322,7 +324,7 @@ def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch):
     tok = load_tokenizer(cfg.target.path)
     samples, _ = ingest(cfg.data, tok)
     create_or_open_store(store, build_provenance(cfg, tok, samples, 1, "test"))
-    real_write = st.ShardWriter.write_batch
+    real_write = ShardWriter.write_batch
     calls = {"n": 0}
 
     def full_after_one(self, *a, **k):
@@ -331,20 +333,20 @@ def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(self, *a, **k)
 
-    monkeypatch.setattr(st.ShardWriter, "write_batch", full_after_one)
+    monkeypatch.setattr(ShardWriter, "write_batch", full_after_one)
     monkeypatch.setattr(w, "die_with_parent", lambda: None)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(st.StoreError, match="No space left on device.*intact.*resume"):
             w.run_shard(cfg, 0, 1, store)
-        committed = st.StoreReader(store, require_complete=False)
+        committed = StoreReader(store, require_complete=False)
         assert committed.progress[0].committed_batches == 1 and not committed.progress[0].done
-        monkeypatch.setattr(st.ShardWriter, "write_batch", real_write)
+        monkeypatch.setattr(ShardWriter, "write_batch", real_write)
         assert w.run_shard(cfg, 0, 1, store) == 0
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    assert len(st.StoreReader(store).samples) == 40
+    assert len(StoreReader(store).samples) == 40
 
 
 def test_workers_take_the_parents_tokenised_samples(tmp_path, monkeypatch):
@@ -383,5 +385,5 @@ def test_workers_take_the_parents_tokenised_samples(tmp_path, monkeypatch):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    reader = st.StoreReader(store)
+    reader = StoreReader(store)
     assert sorted(r.sample_id for r in reader.samples) == sorted(st.sample_id_to_int(s.sample_id) for s in samples)

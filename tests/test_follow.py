@@ -10,8 +10,10 @@ import torch
 
 from data.follow import GrowingStore
 from pipeline import store as st
-from pipeline.provenance import create_or_open_store
 from pipeline.encoding import encode
+from pipeline.provenance import create_or_open_store
+from pipeline.store_reader import SampleRef, StoreReader, committed_refs
+from pipeline.store_writer import ShardWriter
 
 PROV = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_size": 32, "vocab_size": 100,
         "num_hidden_layers": 8, "tie_word_embeddings": False}, "layer_ids": [1, 3], "hidden_size": 32,
@@ -19,7 +21,7 @@ PROV = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_siz
         "dataset": {"fingerprint": "t", "samples": 10, "validation_samples": 2}, "max_length": 256}
 
 
-def _write(w: st.ShardWriter, rows: list[tuple[int, int, int]]) -> None:
+def _write(w: ShardWriter, rows: list[tuple[int, int, int]]) -> None:
     """Commit one batch of (sample_id, split, length) rows."""
     ids, splits, lens = (np.array(c) for c in zip(*rows))
     T = int(lens.sum())
@@ -33,7 +35,7 @@ def test_growing_store_reads_committed_rows_in_stream_order(tmp_path):
     create_or_open_store(path, PROV)
     g = GrowingStore(path, report=False)
     assert g.stream == [] and not g.final and not g.validation_ready() and g.blocked == 0 and g.planned == 8
-    w0, w1 = st.ShardWriter(path, 0, PROV), st.ShardWriter(path, 1, PROV)
+    w0, w1 = ShardWriter(path, 0, PROV), ShardWriter(path, 1, PROV)
     w0.start("p0", 5, 500, validation_batches=1)
     w1.start("p1", 5, 500, validation_batches=1)
     _write(w0, [(100, 1, 10)])  # shard 0's validation batch
@@ -71,7 +73,7 @@ def test_growing_store_reads_committed_rows_in_stream_order(tmp_path):
 def _finished_stream(n: int) -> GrowingStore:
     """A GrowingStore whose stream is n samples of a finished store (no store on disk needed)."""
     g = GrowingStore.__new__(GrowingStore)
-    g.stream = [st.SampleRef(0, i, 10, 1000 + i, 0, i) for i in range(n)]
+    g.stream = [SampleRef(0, i, 10, 1000 + i, 0, i) for i in range(n)]
     g.planned, g.progress, g._mix, g.report = n, [st.Progress(done=True)], None, False
     return g
 
@@ -95,7 +97,7 @@ def test_shuffle_buffer_draws_every_sample_once_from_its_window(n, size, buffer)
 def test_a_shard_of_an_older_plan_is_refused_until_it_finishes(tmp_path):
     path = str(tmp_path / "s.zarr")
     create_or_open_store(path, PROV)
-    w0 = st.ShardWriter(path, 0, PROV)
+    w0 = ShardWriter(path, 0, PROV)
     w0.start("p0", 5, 500)  # no validation_batches: started by a dflash that planned longest first
     _write(w0, [(100, 0, 10)])
     with pytest.raises(st.StoreError, match="did not extract validation samples first"):
@@ -162,7 +164,7 @@ def _stream_order(store: str) -> list[int]:
     ((k + 0.5) / P_i, i), training rows only."""
     attrs = st.read_root_attrs(store)
     N, S = attrs["dataset"]["samples"], attrs["num_shards"]
-    rows = [st.committed_refs(store, i)[1] for i in range(S)]
+    rows = [committed_refs(store, i)[1] for i in range(S)]
     keyed = [((r.row + 0.5) / len(range(i, N, S)), i, r.sample_id) for i in range(S) for r in rows[i] if r.split == 0]
     return [sid for _, _, sid in sorted(keyed)]
 
@@ -244,7 +246,7 @@ def test_two_ranks_follow_a_slow_extraction_stopped_and_resumed_on_both_sides(fo
                 for rk in (0, 1)}
     assert len(per_rank[0]) == len(per_rank[1])  # the same number of batches on both ranks
     stream = _stream_order(store)
-    assert len(stream) == sum(1 for ref in st.StoreReader(store).samples if ref.split == 0)
+    assert len(stream) == sum(1 for ref in StoreReader(store).samples if ref.split == 0)
     for epoch in range(3):
         ids = [i for rk in (0, 1) for b in per_rank[rk] if b["epoch"] == epoch for i in b["ids"] if i >= 0]
         assert sorted(ids) == sorted(stream), f"epoch {epoch}: each training sample exactly once"
@@ -308,7 +310,7 @@ def test_a_shard_begun_with_the_old_plan_resumes_with_it(tmp_path):
     g.attrs[st.PROGRESS_SHA] = st.digest(g.attrs["progress"])  # its checksum, as a writer commits it
     r = subprocess.run([sys.executable, "-m", "stages.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 0 and "complete" in r.stderr, r.stderr[-2000:]
-    prog, refs = st.committed_refs(store, 0)
+    prog, refs = committed_refs(store, 0)
     assert prog.done and prog.validation_batches == -1
     # rows after the old commit follow the old plan (the first batch's rows are whatever was there)
     assert [x.sample_id for x in refs[len(first):]] == [st.sample_id_to_int(mine[m].sample_id) for b in legacy[1:]

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers_cli import HANG_S, ROOT, TINY, dflash  # noqa: E402
 from data.follow import GrowingStore  # noqa: E402
 from pipeline import store as st  # noqa: E402
+from pipeline.store_reader import StoreReader
 
 WAIT = ["--set", "train.follow_buffer=100000"]  # the first step's window is the whole store: it waits for shard 1
 
@@ -66,7 +67,7 @@ def test_follow_timeout_gives_up_in_one_line_with_the_committed_count(stopped_st
 def test_committed_only_trains_on_what_is_committed(stopped_store, tmp_path):
     run = tmp_path / "run"
     r = dflash(*_args(stopped_store, run, *WAIT, "--committed-only", "--set", "train.max_steps=1"))
-    n = len(st.StoreReader(stopped_store, require_complete=False).samples)
+    n = len(StoreReader(stopped_store, require_complete=False).samples)
     assert (f"train: --committed-only: training on the {n} samples committed to {stopped_store} (shard(s) [1] not "
             "finished), as on a finished store") in r.stderr
     assert "waiting for extraction" not in r.stderr and (run / "checkpoints" / "last.ckpt").exists()

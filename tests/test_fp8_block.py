@@ -263,9 +263,9 @@ def test_extract_in_fp8_block_records_it_and_a_bf16_resume_is_refused(tmp_path):
     r = dflash("extract", "--config", str(ROOT / "configs" / "tiny.yaml"), "--shards", "1", "--store", store, *sets)
     assert r.returncode == 0 and "complete" in r.stderr, r.stderr[-3000:]
     assert "extract: target precision fp8-block: FP8 GEMMs with 1 x 128 activation" in r.stderr, r.stderr[-3000:]
-    from pipeline import store as st
+    from pipeline.store_reader import StoreReader
 
-    attrs = st.StoreReader(store).attrs
+    attrs = StoreReader(store).attrs
     assert attrs["target"]["precision"] == "fp8-block"
     log = (Path(store) / "logs" / "extract-shard-00000.log").read_text()
     n = 7 * (max(attrs["layer_ids"]) + 1)  # the layers extraction loads, seven linears each

@@ -331,6 +331,7 @@ def test_hybrid_end_to_end_lossless_with_the_rolled_back_cache(hybrid, tmp_path)
     assert "complete" in r.stderr
     assert "target kernels (6 linear-attention layers): CPU: transformers' torch reference paths" in r.stderr
     from pipeline import store as st
+    from pipeline.store_reader import StoreReader
 
     attrs = st.read_root_attrs(store)
     assert attrs["target"]["model_type"] == "qwen3_5" and attrs["layer_ids"] == [1, 3, 5]
@@ -343,7 +344,7 @@ def test_hybrid_end_to_end_lossless_with_the_rolled_back_cache(hybrid, tmp_path)
     from pipeline.encoding import decode, from_storage
 
     ref = AutoModelForCausalLM.from_pretrained(str(hybrid), dtype=torch.float32).eval()
-    sample = st.StoreReader(store).read(0)
+    sample = StoreReader(store).read(0)
     ids = torch.from_numpy(sample["tokens"].astype("int64"))[None]
     with torch.no_grad():
         hs = ref(input_ids=ids, output_hidden_states=True).hidden_states

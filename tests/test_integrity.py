@@ -24,6 +24,8 @@ import torch
 from data.store_dataset import StoreDataset, worker_init
 from pipeline import store as st
 from pipeline.encoding import encode
+from pipeline.store_reader import StoreReader, chunk_key
+from pipeline.store_writer import ShardWriter
 from pipeline.provenance import (check_frozen_head, create_or_open_store, load_frozen_head,
                                  start_frozen_head_check, target_differences, write_frozen_head)
 from pipeline.procinfo import machine_id
@@ -73,7 +75,7 @@ def store(tmp_path_factory):
     create_or_open_store(path, _prov())
     g = torch.Generator().manual_seed(0)
     lengths = [320] + [int(n) for n in torch.randint(40, 200, (11,), generator=g)]
-    with st.ShardWriter(path, 0, _prov()) as w:
+    with ShardWriter(path, 0, _prov()) as w:
         w.start("plan", len(lengths), sum(lengths))
         for i, n in enumerate(lengths):
             w.write_batch(*_batch(g, n, i + 1, prompt=300 if i == 0 else 10))
@@ -95,8 +97,8 @@ def _verify(path: str) -> tuple[int, str]:
 
 
 def _chunk(path: str, name: str, c: int) -> Path:
-    arr = st.StoreReader(path).shards[0][name]
-    return Path(path) / st.shard_name(0) / name / st.chunk_key(arr, c)
+    arr = StoreReader(path).shards[0][name]
+    return Path(path) / st.shard_name(0) / name / chunk_key(arr, c)
 
 
 def _read_all(path: str) -> None:
@@ -107,7 +109,7 @@ def _read_all(path: str) -> None:
 
 def test_all_zero_chunks_are_stored_and_the_store_verifies(store):
     assert _chunk(store, "split", 0).is_file() and _chunk(store, "loss_mask", 0).is_file()
-    assert st.StoreReader(store).read(0)["loss_mask"][:300].sum() == 0
+    assert StoreReader(store).read(0)["loss_mask"][:300].sum() == 0
     rc, out = _verify(store)
     assert rc == 0 and "is valid: 12 samples" in out, out
     assert not (Path(store) / "locks" / "shard-00000.lock").exists()  # released at finish
@@ -170,7 +172,7 @@ def test_edited_provenance_fails_read_and_verify(copy):
     doc["attributes"]["dflash"]["layer_ids"] = [1, 4]
     meta.write_text(json.dumps(doc))
     with pytest.raises(st.StoreDataError, match="provenance .* does not match its recorded checksum"):
-        st.StoreReader(copy)
+        StoreReader(copy)
     rc, out = _verify(copy)
     assert rc == 1 and "provenance" in out and "checksum" in out
 
@@ -181,7 +183,7 @@ def test_edited_progress_record_fails_read_and_verify(copy):
     doc["attributes"]["progress"]["committed_tokens"] -= 100
     meta.write_text(json.dumps(doc))
     with pytest.raises(st.StoreDataError, match="progress record of shard 0 .* does not match its checksum"):
-        st.StoreReader(copy)
+        StoreReader(copy)
     rc, out = _verify(copy)
     assert rc == 1 and "shard 0: the progress record" in out
 
@@ -262,7 +264,7 @@ def test_a_store_from_before_the_checksums_stays_readable(copy):
     _chunk(copy, "split", 0).unlink()  # all "train": the old writer did not store it
     _chunk(copy, "loss_mask", 0).unlink()  # the 300-token prompt: all zero
     _read_all(copy)
-    assert st.StoreReader(copy).read(0)["loss_mask"].sum() == 20
+    assert StoreReader(copy).read(0)["loss_mask"].sum() == 20
     check_frozen_head(copy)
     rc, out = _verify(copy)
     assert rc == 0 and "written before dflash recorded checksums" in out
@@ -276,7 +278,7 @@ def test_stale_partial_files_are_reported_and_removed_on_resume(tmp_path):
     path = str(tmp_path / "p.zarr")
     create_or_open_store(path, _prov())
     g = torch.Generator().manual_seed(0)
-    with st.ShardWriter(path, 0, _prov()) as w:
+    with ShardWriter(path, 0, _prov()) as w:
         w.start("plan", 3, 300)
         w.write_batch(*_batch(g, 100, 1))
     stale = Path(path) / st.shard_name(0) / "features" / "c" / "3" / "0" / "0.5f3c.partial"
@@ -284,7 +286,7 @@ def test_stale_partial_files_are_reported_and_removed_on_resume(tmp_path):
     stale.write_bytes(b"half a chunk")
     rc, out = _verify(path)
     assert "1 temporary *.partial file(s)" in out and "features/c/3/0/0.5f3c.partial" in out
-    with st.ShardWriter(path, 0, _prov()) as w:
+    with ShardWriter(path, 0, _prov()) as w:
         assert w.removed_partials == 1 and not stale.exists()
 
 
@@ -310,14 +312,14 @@ def _write_lock(path: str, **rec) -> None:
 
 def test_a_second_writer_is_refused_naming_host_and_pid(tmp_path):
     path = _fresh(tmp_path)
-    with st.ShardWriter(path, 0, _prov()):
-        code = f"import json\nfrom pipeline import store as st\nst.ShardWriter({path!r}, 0, json.loads({json.dumps(_prov())!r}))"
+    with ShardWriter(path, 0, _prov()):
+        code = f"import json\nfrom pipeline.store_writer import ShardWriter\nShardWriter({path!r}, 0, json.loads({json.dumps(_prov())!r}))"
         r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
         assert r.returncode == 1 and "ShardLockedError" in r.stderr
         msg = r.stderr.strip().splitlines()[-1]
         assert f"pid {os.getpid()} on host {socket.gethostname()}" in msg and "shard 0" in msg
         assert "Wait for that run to finish" in msg and f"dflash status {path}" in msg
-    with st.ShardWriter(path, 0, _prov()):  # released: the next writer gets it
+    with ShardWriter(path, 0, _prov()):  # released: the next writer gets it
         pass
 
 
@@ -326,7 +328,7 @@ def test_a_dead_process_lock_is_taken_over(tmp_path):
     p = subprocess.Popen(["true"])
     p.wait()  # a pid that was alive and is not any more (kill -9 leaves exactly this)
     _write_lock(path, machine=machine_id(), host=socket.gethostname(), pids=[[p.pid, None]])
-    with st.ShardWriter(path, 0, _prov()) as w:
+    with ShardWriter(path, 0, _prov()) as w:
         assert w.lock.holds() and w.lock.token != "t0ken"
 
 
@@ -334,9 +336,9 @@ def test_another_hosts_lock_is_live_until_its_heartbeat_expires(tmp_path):
     path = _fresh(tmp_path)
     _write_lock(path, heartbeat=time.time() - 60)
     with pytest.raises(ShardLockedError, match="pid 4242 on host gpu-node-7 .* heartbeat 60 s ago"):
-        st.ShardWriter(path, 0, _prov())
+        ShardWriter(path, 0, _prov())
     _write_lock(path, heartbeat=time.time() - 121)
-    with st.ShardWriter(path, 0, _prov()) as w:
+    with ShardWriter(path, 0, _prov()) as w:
         assert w.lock.holds()
 
 
@@ -373,11 +375,11 @@ def test_a_writer_that_lost_its_lock_never_shrinks_the_shard(tmp_path):
     other's newer chunks (and a late one turned a finished shard back into unfinished)."""
     path = _fresh(tmp_path)
     g = torch.Generator().manual_seed(0)
-    behind = st.ShardWriter(path, 0, _prov())
+    behind = ShardWriter(path, 0, _prov())
     behind.start("plan", 6, 600)
     behind.write_batch(*_batch(g, 100, 1))
     Path(lock_path(path, 0)).unlink()  # as a takeover does when `behind` looked dead
-    with st.ShardWriter(path, 0, _prov()) as ahead:
+    with ShardWriter(path, 0, _prov()) as ahead:
         ahead.start("plan", 6, 600)
         for sid in range(2, 6):
             ahead.write_batch(*_batch(g, 100, sid))
@@ -388,7 +390,7 @@ def test_a_writer_that_lost_its_lock_never_shrinks_the_shard(tmp_path):
     with pytest.raises(st.StoreError, match="lost the lock on shard 0"):
         behind.finish()
     assert sorted(p.name for p in (Path(path) / st.shard_name(0) / "features" / "c").iterdir()) == chunks
-    reader = st.StoreReader(path)
+    reader = StoreReader(path)
     assert reader.progress[0].done and len(reader.samples) == 5
     assert [reader.read(i)["tokens"].shape[0] for i in range(5)] == [100] * 5
     write_frozen_head(path, _head())
@@ -399,14 +401,14 @@ def test_a_writer_stops_when_the_shard_moved_on_under_its_lock(tmp_path):
     """Defence in depth: even holding the lock, a writer whose last commit is not the shard's stops."""
     path = _fresh(tmp_path)
     g = torch.Generator().manual_seed(0)
-    with st.ShardWriter(path, 0, _prov()) as a:
+    with ShardWriter(path, 0, _prov()) as a:
         a.start("plan", 4, 400)
         a.write_batch(*_batch(g, 100, 1))
-        b = st.ShardWriter(path, 0, _prov(), lock_token=a.lock.token)  # e.g. an older dflash without locks
+        b = ShardWriter(path, 0, _prov(), lock_token=a.lock.token)  # e.g. an older dflash without locks
         b.write_batch(*_batch(g, 100, 2))
         with pytest.raises(st.StoreError, match="changed by another writer.* 2 batches"):
             a.write_batch(*_batch(g, 100, 3))
-    assert st.StoreReader(path, require_complete=False).progress[0].committed_batches == 2
+    assert StoreReader(path, require_complete=False).progress[0].committed_batches == 2
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 from data.store_dataset import RankBatchSampler, StoreDataset
 from pipeline import store as st
+from pipeline.store_reader import StoreReader
 
 from helpers_cli import HANG_S  # noqa: E402
 from helpers_store import synthetic_store  # noqa: E402
@@ -191,7 +192,7 @@ def test_reader_opens_each_array_once_and_reads_the_same_values(small_store):
     import zarr
 
     path, lengths = small_store
-    reader = st.StoreReader(path)
+    reader = StoreReader(path)
     opened = []
 
     class Counting:  # stands in for the shard's group: counts the opens
@@ -243,7 +244,7 @@ def test_validation_keeps_one_worker_between_runs_with_the_same_batches(tiny_sto
     from stages.train_store import dataloaders
 
     cfg = load_config(None, ["train.num_workers=2", "train.batch_size=8"])
-    _, val_dl, _ = dataloaders(cfg, tiny_store, st.StoreReader(tiny_store), 0, 1, pad_multiple=1)
+    _, val_dl, _ = dataloaders(cfg, tiny_store, StoreReader(tiny_store), 0, 1, pad_multiple=1)
     assert val_dl is not None and val_dl.num_workers == 1 and val_dl.persistent_workers
     first = list(val_dl)
     pids = [w.pid for w in val_dl._iterator._workers]

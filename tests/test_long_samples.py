@@ -105,7 +105,7 @@ def test_extract_and_train_an_8k_sample_end_to_end(tmp_path):
     import json
 
     from helpers_cli import TINY, dflash
-    from pipeline.store import StoreReader
+    from pipeline.store_reader import StoreReader
 
     words = "the list is violin , bottle , umbrella . so the first item is violin .".split()
     long_text = " ".join(words[i % len(words)] for i in range(5000))

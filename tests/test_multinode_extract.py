@@ -18,6 +18,7 @@ import zarr
 from helpers_cli import TINY, dflash, dflash_all, dflash_each  # side by side / refusals in one subprocess
 from pipeline import store as st
 from pipeline.provenance import create_or_open_store
+from pipeline.store_writer import ShardWriter
 
 # 60 samples (20 a shard, ~1,100 tokens: two or more batches each at this token budget); the equality with one node
 # needs no more (it ran with the session tiny store's options before: 240 samples at 4,096 tokens). Three shards: one
@@ -71,7 +72,7 @@ def test_status_names_each_shards_host_rate_and_eta_while_nodes_write(tmp_path):
     create_or_open_store(path, prov)
     writers = []
     for i in range(2):
-        w = st.ShardWriter(path, i, prov)
+        w = ShardWriter(path, i, prov)
         w.start("plan", 4, 40)
         w.write_batch(np.array([i + 1], np.uint64), np.zeros(1, np.uint8), np.array([10], np.int32),
                       np.arange(10, dtype=np.int32), np.ones(10, np.uint8),

@@ -15,6 +15,7 @@ import pytest
 import zarr
 
 from pipeline import store as st
+from pipeline.store_reader import StoreReader
 
 from helpers_cli import FEW_ANCHORS, HANG_S, Lazy, selected  # noqa: E402
 
@@ -99,7 +100,7 @@ def _finish_and_verify(store):
     r = subprocess.run([sys.executable, "-m", "stages.cli", "extract", "--config", TINY, "--shards", "2", "--store",
                         store, *OPTS], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
-    reader = st.StoreReader(store)
+    reader = StoreReader(store)
     assert len(reader.samples) == 150 and len({s.sample_id for s in reader.samples}) == 150
 
 

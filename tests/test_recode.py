@@ -14,6 +14,8 @@ import zarr
 
 from pipeline import store as st
 from pipeline.encoding import decode, from_storage
+from pipeline.store_reader import StoreReader
+from pipeline.store_writer import ShardWriter
 from stages.recode import run_recode
 
 from helpers_cli import dflash  # noqa: E402
@@ -31,7 +33,7 @@ def src(tiny_store):
 
 
 def features(path):
-    r = st.StoreReader(path)
+    r = StoreReader(path)
     out = {}
     for i, ref in enumerate(r.samples):
         s = r.read(i)
@@ -73,7 +75,7 @@ def test_recode_resumes_after_a_crash(src, tmp_path, monkeypatch):
     ref = str(tmp_path / "ref.zarr")
     run_recode(src, dst=ref, encoding="int4", batch_tokens=600)
     dst = str(tmp_path / "crash.zarr")
-    real = st.ShardWriter.write_batch
+    real = ShardWriter.write_batch
     calls = {"n": 0}
 
     def failing(self, *args, **kw):
@@ -82,10 +84,10 @@ def test_recode_resumes_after_a_crash(src, tmp_path, monkeypatch):
             raise OSError("simulated crash")
         return real(self, *args, **kw)
 
-    monkeypatch.setattr(st.ShardWriter, "write_batch", failing)
+    monkeypatch.setattr(ShardWriter, "write_batch", failing)
     with pytest.raises(OSError):
         run_recode(src, dst=dst, encoding="int4", batch_tokens=600)
-    monkeypatch.setattr(st.ShardWriter, "write_batch", real)
+    monkeypatch.setattr(ShardWriter, "write_batch", real)
     run_recode(src, dst=dst, encoding="int4", batch_tokens=600)
     for name in ("features", "scales", "outliers", "tokens"):
         for shard in ("shards/00000", "shards/00001"):

@@ -143,6 +143,7 @@ def test_resume_on_more_ranks_deals_the_rest_of_the_epoch(store, tmp_path):
     continue, each sample of the interrupted epoch is trained once across both runs, and the stretched LR
     schedule ends at zero exactly at the new last step."""
     from pipeline import store as st
+    from pipeline.store_reader import StoreReader
 
     run = tmp_path / "run"
     ckpt = _kill_after_checkpoint(_args(store, run, "--devices", "1"), run, 6, 0)
@@ -151,7 +152,7 @@ def test_resume_on_more_ranks_deals_the_rest_of_the_epoch(store, tmp_path):
     killed = len(_samples(run, 0))
     r = _run(_args(store, run, "--devices", "2", "--resume"))
     assert "the learning-rate schedule now ends after" in r.stderr
-    reader = st.StoreReader(store)
+    reader = StoreReader(store)
     train_ids = sorted(x.sample_id for x in reader.samples if x.split == st.SPLITS["train"])
     lines = [x for x in _samples(run, 0)[:killed] if x["step"] < ckpt] + _samples(run, 0)[killed:] + _samples(run, 1)
     for epoch in (0, 1):

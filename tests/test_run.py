@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import store as st
+from pipeline.store_reader import StoreReader
 from stages.run import RunError, parse_gpus
 
 from helpers_cli import FEW_ANCHORS, HANG_S  # noqa: E402
@@ -72,7 +73,7 @@ def test_run_stops_both_stages_on_one_ctrl_c_and_the_same_command_continues_both
     assert len(starts) == 2 and "--resume" not in starts[0] and "--resume" in starts[1] and "Traceback" not in train_log
     assert all((st.shard_progress(str(store), i) or st.Progress()).done for i in range(2))
     lines = [b for b in _lines(run)[:stopped] if b["step"] < ckpt] + _lines(run)[stopped:]
-    train_ids = sorted(x.sample_id for x in st.StoreReader(str(store)).samples if x.split == 0)
+    train_ids = sorted(x.sample_id for x in StoreReader(str(store)).samples if x.split == 0)
     for epoch in (0, 1):
         assert sorted(i for b in lines if b["epoch"] == epoch for i in b["ids"] if i >= 0) == train_ids
     assert json.loads((run / "summary.json").read_text())["val"]["val/tau"] > 1.0

@@ -21,6 +21,7 @@ import zarr
 
 from pipeline import store as st
 from pipeline.provenance import create_or_open_store
+from pipeline.store_reader import StoreReader
 
 from helpers_cli import HANG_S, dflash  # noqa: E402
 
@@ -153,7 +154,7 @@ def _assert_every_sample_intact(store):
     cfg = load_config(TINY, ["data.max_samples=150", "extract.token_budget=512"])
     samples, _ = ingest(cfg.data, load_tokenizer(cfg.target.path))
     want = {st.sample_id_to_int(s.sample_id): s for s in samples}
-    reader = st.StoreReader(store)
+    reader = StoreReader(store)
     assert sorted(r.sample_id for r in reader.samples) == sorted(want)
     for i, ref in enumerate(reader.samples):
         s, w = reader.read(i), want[ref.sample_id]

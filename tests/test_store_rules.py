@@ -16,6 +16,8 @@ import torch
 from pipeline import store as st
 from pipeline.encoding import encode
 from pipeline.provenance import create_or_open_store
+from pipeline.store_reader import StoreReader
+from pipeline.store_writer import ShardWriter
 
 HIDDEN, LAYERS = 64, [1, 3]
 PROV = {"schema_version": st.SCHEMA_VERSION, "target": {"name": "t", "hidden_size": HIDDEN, "vocab_size": 100,
@@ -69,7 +71,7 @@ def test_shard_rows_takes_numpy_integers():
 
 def _write(path: str, shard: int, lengths: list[int], finish: bool) -> None:
     g = torch.Generator().manual_seed(shard)
-    with st.ShardWriter(path, shard, PROV) as w:
+    with ShardWriter(path, shard, PROV) as w:
         w.start("plan", len(lengths) + (0 if finish else 1), sum(lengths))
         for k, n in enumerate(lengths):
             parts = {key: v.numpy() for key, v in encode(torch.randn(n, len(LAYERS), HIDDEN, generator=g), "int5").items()}
@@ -125,7 +127,7 @@ def test_a_record_that_fails_its_checksum_raises_as_read_progress_does(copy):
     assert str(every.value) == str(one.value)
     assert "progress record of shard 1 of" in str(every.value) and "does not match its checksum" in str(every.value)
     with pytest.raises(st.StoreDataError, match="progress record of shard 1 .* does not match its checksum"):
-        st.StoreReader(copy, require_complete=False)  # the reader's open reads them the same way
+        StoreReader(copy, require_complete=False)  # the reader's open reads them the same way
     from stages.inspect import store_summary
 
     with pytest.raises(st.StoreDataError, match="progress record of shard 1"):

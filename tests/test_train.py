@@ -243,13 +243,14 @@ def test_gradient_accumulation_normalises_over_the_window(tiny_store, tmp_path):
 
     from pipeline import store as st
     from pipeline.config import load_config
+    from pipeline.store_reader import StoreReader
     from stages.train import _dataloaders, check_store_matches
     from stages.train_task import DrafterTask
 
     cfg = load_config(TINY, ["train.batch_size=1", "train.accumulate_grad_batches=3", "train.num_workers=0",
                              f"train.run_dir={tmp_path}"])
     attrs = st.read_root_attrs(tiny_store)
-    reader = st.StoreReader(tiny_store)
+    reader = StoreReader(tiny_store)
 
     def task():
         torch.manual_seed(0)
@@ -287,6 +288,7 @@ def test_final_checkpoint_is_written_before_the_weights_are_freed(tiny_store, tm
 
     from pipeline import store as st
     from pipeline.config import load_config
+    from pipeline.store_reader import StoreReader
     from stages.progress import FinalCheckpoint
     from stages.train import _dataloaders, check_store_matches
     from stages.train_task import DrafterTask
@@ -296,7 +298,7 @@ def test_final_checkpoint_is_written_before_the_weights_are_freed(tiny_store, tm
     torch.manual_seed(0)
     task = DrafterTask(cfg, check_store_matches(cfg, attrs), attrs["target"]["vocab_size"],
                        st.frozen_head_path(tiny_store), 10, attrs["encoding"], store_path=tiny_store)
-    train_dl, _, task.train_sampler = _dataloaders(cfg, tiny_store, st.StoreReader(tiny_store), 0, 1, 1)
+    train_dl, _, task.train_sampler = _dataloaders(cfg, tiny_store, StoreReader(tiny_store), 0, 1, 1)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=1000, save_last="link")
     final = FinalCheckpoint(ckpt, tmp_path / "checkpoints" / "last.ckpt", free=True)
     trained = {}
