@@ -311,6 +311,7 @@ def read_all_progress(path: str, report: bool = False) -> list[ShardState]:
 
 
 def shard_states(path: str, root, num_shards: int, report: bool = False) -> list[ShardState]:
+    """`read_all_progress` on a root group already open (StoreReader opens it once for this and its arrays)."""
     integrity = INTEGRITY_ATTR in dict(root.attrs)
     out = []
     for i in range(num_shards):
